@@ -1,1 +1,71 @@
-//! placeholder
+//! Helpers for sluice's end-to-end tests: where the built plugin components are,
+//! and small fleets and requests to call them with.
+
+use std::path::PathBuf;
+
+use sluice_gateway::policy::{FleetView, Hop, RequestView, WorkerState};
+
+/// `plugins/target/wasm32-wasip2/release`, where `make plugins` puts components.
+pub fn plugins_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../plugins/target/wasm32-wasip2/release")
+}
+
+/// The bytes of the built plugin `name` (crate name, with `-` or `_`).
+pub fn plugin_wasm(name: &str) -> Vec<u8> {
+    let path = plugins_dir().join(format!("{}.wasm", name.replace('-', "_")));
+    std::fs::read(&path).unwrap_or_else(|e| {
+        panic!(
+            "cannot read {}: {e}. Build the plugins first: `make plugins` \
+             (cargo build --release --target wasm32-wasip2 in plugins/)",
+            path.display()
+        )
+    })
+}
+
+/// A request of `prompt_blocks` blocks of 16 tokens.
+pub fn request(prompt_blocks: u32) -> RequestView {
+    RequestView {
+        prompt_tokens: prompt_blocks * 16,
+        prompt_blocks,
+        block_size: 16,
+        max_tokens: 128,
+        session_hash: 0,
+        tenant_id: 0,
+        priority: 0,
+        hop: Hop::Aggregated,
+    }
+}
+
+/// `n` healthy workers (ids 1..=n) with made-up load and overlap from `seed`.
+pub fn fleet(n: usize, seed: u64) -> FleetView {
+    let mut rng = Rng(seed);
+    let mut f = FleetView::default();
+    for i in 0..n {
+        f.state.push(WorkerState::new(true, true, true).0);
+        f.worker_ids.push(i as u32 + 1);
+        f.active_requests.push(rng.below(32) as u32);
+        f.queued_prefill_tokens.push(rng.below(8192) as u32);
+        f.kv_blocks_used.push(rng.below(4000) as u32);
+        f.kv_blocks_total.push(4096);
+        f.overlap_blocks.push(rng.below(64) as u32);
+    }
+    f
+}
+
+/// A tiny seeded generator (splitmix64) for made-up fleets.
+#[derive(Clone, Debug)]
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+}

@@ -42,7 +42,9 @@ mod tests {
         let mut sick = Worker::idle(20);
         sick.state = WorkerState::new(false, true, true);
         // Listed out of id order on purpose.
-        let fleet: FleetView = [Worker::idle(30), sick, Worker::idle(10)].into_iter().collect();
+        let fleet: FleetView = [Worker::idle(30), sick, Worker::idle(10)]
+            .into_iter()
+            .collect();
         let mut rr = RouterHarness::<RoundRobin>::new("").unwrap();
         let picks: Vec<_> = (0..4).map(|_| rr.route(&request(32), &fleet)).collect();
         use RouteDecision::Worker as W;

@@ -69,7 +69,10 @@ impl Config {
         if unknown.is_empty() {
             Ok(())
         } else {
-            Err(ConfigError(format!("unknown config keys: {}", unknown.join(", "))))
+            Err(ConfigError(format!(
+                "unknown config keys: {}",
+                unknown.join(", ")
+            )))
         }
     }
 }

@@ -93,7 +93,10 @@ impl FleetView {
 
     /// The index of the worker with this id, if it is in the fleet.
     pub fn index_of(&self, id: u32) -> Option<u32> {
-        self.worker_ids.iter().position(|&w| w == id).map(|i| i as u32)
+        self.worker_ids
+            .iter()
+            .position(|&w| w == id)
+            .map(|i| i as u32)
     }
 }
 

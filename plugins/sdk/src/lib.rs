@@ -36,6 +36,7 @@ mod bindings {
 mod config;
 mod fleet;
 mod host;
+pub mod kv;
 mod policy;
 pub mod testing;
 

@@ -67,7 +67,10 @@ pub fn check_route(
 ) -> Result<(), String> {
     match decision {
         RouteDecision::Worker(i) => match fleet.state.get(*i as usize) {
-            None => Err(format!("worker index {i} is out of range (fleet of {})", fleet.len())),
+            None => Err(format!(
+                "worker index {i} is out of range (fleet of {})",
+                fleet.len()
+            )),
             Some(&s) if !WorkerState(s).serves(request.hop) => Err(format!(
                 "worker {i} cannot serve the {:?} hop (state {s:#05b})",
                 request.hop
