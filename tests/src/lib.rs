@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use sluice_gateway::policy::{FleetView, Hop, RequestView, WorkerState};
+use sluice_gateway::policy::{FleetView, Hop, RequestView, WorkerLoad, WorkerState};
 
 /// `plugins/target/wasm32-wasip2/release`, where `make plugins` puts components.
 pub fn plugins_dir() -> PathBuf {
@@ -39,17 +39,18 @@ pub fn request(prompt_blocks: u32) -> RequestView {
 /// `n` healthy workers (ids 1..=n) with made-up load and overlap from `seed`.
 pub fn fleet(n: usize, seed: u64) -> FleetView {
     let mut rng = Rng(seed);
-    let mut f = FleetView::default();
-    for i in 0..n {
-        f.state.push(WorkerState::new(true, true, true).0);
-        f.worker_ids.push(i as u32 + 1);
-        f.active_requests.push(rng.below(32) as u32);
-        f.queued_prefill_tokens.push(rng.below(8192) as u32);
-        f.kv_blocks_used.push(rng.below(4000) as u32);
-        f.kv_blocks_total.push(4096);
-        f.overlap_blocks.push(rng.below(64) as u32);
-    }
-    f
+    let workers: Vec<WorkerLoad> = (0..n as u32)
+        .map(|i| WorkerLoad {
+            state: WorkerState::new(true, true, true),
+            id: i + 1,
+            active_requests: rng.below(32) as u32,
+            queued_prefill_tokens: rng.below(8192) as u32,
+            kv_blocks_used: rng.below(4000) as u32,
+            kv_blocks_total: 4096,
+            overlap_blocks: rng.below(64) as u32,
+        })
+        .collect();
+    FleetView::from_workers(&workers)
 }
 
 /// A tiny seeded generator (splitmix64) for made-up fleets.

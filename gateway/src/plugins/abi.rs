@@ -61,32 +61,17 @@ impl From<&policy::RequestView> for RequestView {
 #[derive(ComponentType, Lower)]
 #[component(record)]
 pub struct FleetView<'a> {
-    #[component(name = "state")]
-    state: &'a [u8],
-    #[component(name = "worker-ids")]
-    worker_ids: &'a [u32],
-    #[component(name = "active-requests")]
-    active_requests: &'a [u32],
-    #[component(name = "queued-prefill-tokens")]
-    queued_prefill_tokens: &'a [u32],
-    #[component(name = "kv-blocks-used")]
-    kv_blocks_used: &'a [u32],
-    #[component(name = "kv-blocks-total")]
-    kv_blocks_total: &'a [u32],
-    #[component(name = "overlap-blocks")]
-    overlap_blocks: &'a [u32],
+    #[component(name = "workers")]
+    workers: u32,
+    #[component(name = "columns")]
+    columns: &'a [u32],
 }
 
 impl<'a> From<&'a policy::FleetView> for FleetView<'a> {
     fn from(f: &'a policy::FleetView) -> Self {
         Self {
-            state: &f.state,
-            worker_ids: &f.worker_ids,
-            active_requests: &f.active_requests,
-            queued_prefill_tokens: &f.queued_prefill_tokens,
-            kv_blocks_used: &f.kv_blocks_used,
-            kv_blocks_total: &f.kv_blocks_total,
-            overlap_blocks: &f.overlap_blocks,
+            workers: f.len() as u32,
+            columns: f.columns(),
         }
     }
 }

@@ -16,7 +16,8 @@ use super::host_state::HostState;
 use super::slot::Slot;
 use crate::policy::{
     self, AdmissionPolicy, AdmitDecision, CacheHints, CachePolicy, Completion, EvictionCandidates,
-    FleetSaturation, FleetView, Hop, RequestView, RouteDecision, RouterPolicy, WorkerState,
+    FleetSaturation, FleetView, Hop, RequestView, RouteDecision, RouterPolicy, WorkerLoad,
+    WorkerState,
 };
 
 /// A plugin kind: one WIT interface of `sluice:policy`.
@@ -96,7 +97,7 @@ impl Router {
                 Ok(Some(RouteDecision::Worker(i as usize)))
             }
             abi::RouteDecision::Worker(i) => {
-                Err(CallFailure::Invalid(match fleet.state.get(i as usize) {
+                Err(CallFailure::Invalid(match fleet.state().get(i as usize) {
                     None => format!(
                         "worker index {i} is out of range (fleet of {})",
                         fleet.len()
@@ -125,16 +126,18 @@ impl PluginKind for Router {
     }
 
     fn smoke(pooled: &mut Pooled) -> Result<(), CallFailure> {
-        let n = 4;
-        let fleet = FleetView {
-            state: vec![WorkerState::new(true, true, true).0; n],
-            worker_ids: (1..=n as u32).collect(),
-            active_requests: vec![1, 0, 2, 0],
-            queued_prefill_tokens: vec![0; n],
-            kv_blocks_used: vec![10, 0, 20, 5],
-            kv_blocks_total: vec![1000; n],
-            overlap_blocks: vec![0, 4, 8, 16],
-        };
+        let workers: Vec<WorkerLoad> = (0..4u32)
+            .map(|i| WorkerLoad {
+                state: WorkerState::new(true, true, true),
+                id: i + 1,
+                active_requests: i % 3,
+                queued_prefill_tokens: 0,
+                kv_blocks_used: 10 * i,
+                kv_blocks_total: 1000,
+                overlap_blocks: 4 * i,
+            })
+            .collect();
+        let fleet = FleetView::from_workers(&workers);
         Router::route(pooled, &smoke_request(), &fleet).map(drop)
     }
 }

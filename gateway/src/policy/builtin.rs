@@ -4,7 +4,7 @@
 
 use super::{
     AdmissionPolicy, AdmitDecision, CacheHints, CachePolicy, Completion, EvictionCandidates,
-    FleetSaturation, FleetView, Rejection, RequestView, RouteDecision, RouterPolicy,
+    FleetSaturation, FleetView, Rejection, RequestView, RouteDecision, RouterPolicy, WorkerState,
 };
 
 /// KV-aware routing with Dynamo's cost: for each worker that can serve the hop,
@@ -26,21 +26,33 @@ impl Default for KvAwareRouter {
 }
 
 impl KvAwareRouter {
-    /// The cost of sending the request to worker `i`.
-    pub fn cost(&self, request: &RequestView, fleet: &FleetView, i: usize) -> f64 {
-        let uncached = request
-            .prompt_blocks
-            .saturating_sub(fleet.overlap_blocks[i]);
-        self.overlap_weight * f64::from(uncached) + f64::from(fleet.kv_blocks_used[i])
+    /// The cost of a worker with `overlap` of the prompt's `prompt_blocks`
+    /// cached and `used` blocks held by running requests.
+    pub fn cost(&self, prompt_blocks: u32, overlap: u32, used: u32) -> f64 {
+        let uncached = prompt_blocks.saturating_sub(overlap);
+        self.overlap_weight * f64::from(uncached) + f64::from(used)
     }
 }
 
 impl RouterPolicy for KvAwareRouter {
     fn route(&self, request: &RequestView, fleet: &FleetView) -> RouteDecision {
-        let best = (0..fleet.len())
-            .filter(|&i| fleet.serves(i, request.hop))
-            .map(|i| (self.cost(request, fleet, i), fleet.active_requests[i], i))
-            .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+        // Walks the columns side by side: this runs for every request.
+        let columns = fleet
+            .state()
+            .iter()
+            .zip(fleet.overlap_blocks())
+            .zip(fleet.kv_blocks_used())
+            .zip(fleet.active_requests());
+        let mut best: Option<(f64, u32, usize)> = None;
+        for (i, (((&state, &overlap), &used), &active)) in columns.enumerate() {
+            if !WorkerState(state as u8).serves(request.hop) {
+                continue;
+            }
+            let cost = self.cost(request.prompt_blocks, overlap, used);
+            if best.is_none_or(|(bc, ba, _)| cost < bc || (cost == bc && active < ba)) {
+                best = Some((cost, active, i));
+            }
+        }
         match best {
             Some((_, _, i)) => RouteDecision::Worker(i),
             None => RouteDecision::Reject(Rejection {
@@ -80,7 +92,7 @@ impl CachePolicy for LruCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::{Hop, WorkerState};
+    use crate::policy::{Hop, WorkerLoad, WorkerState};
 
     fn request(prompt_blocks: u32) -> RequestView {
         RequestView {
@@ -95,23 +107,29 @@ mod tests {
         }
     }
 
-    /// A fleet of `n` idle, healthy workers.
-    fn fleet(n: usize) -> FleetView {
-        FleetView {
-            state: vec![WorkerState::new(true, true, true).0; n],
-            worker_ids: (0..n as u32).collect(),
-            active_requests: vec![0; n],
-            queued_prefill_tokens: vec![0; n],
-            kv_blocks_used: vec![0; n],
-            kv_blocks_total: vec![1000; n],
-            overlap_blocks: vec![0; n],
-        }
+    /// A fleet of idle, healthy workers, one per overlap given, with the
+    /// given KV use and active requests (missing entries are 0).
+    fn fleet(overlap: &[u32], used: &[u32], active: &[u32], state: &[WorkerState]) -> FleetView {
+        let workers: Vec<WorkerLoad> = (0..overlap.len())
+            .map(|i| WorkerLoad {
+                state: state
+                    .get(i)
+                    .copied()
+                    .unwrap_or(WorkerState::new(true, true, true)),
+                id: i as u32,
+                active_requests: active.get(i).copied().unwrap_or(0),
+                kv_blocks_used: used.get(i).copied().unwrap_or(0),
+                kv_blocks_total: 1000,
+                overlap_blocks: overlap[i],
+                ..WorkerLoad::default()
+            })
+            .collect();
+        FleetView::from_workers(&workers)
     }
 
     #[test]
     fn prefers_the_worker_with_the_longest_cached_prefix() {
-        let mut f = fleet(3);
-        f.overlap_blocks = vec![2, 9, 5];
+        let f = fleet(&[2, 9, 5], &[], &[], &[]);
         assert_eq!(
             KvAwareRouter::default().route(&request(10), &f),
             RouteDecision::Worker(1)
@@ -120,9 +138,7 @@ mod tests {
 
     #[test]
     fn load_outweighs_a_small_overlap() {
-        let mut f = fleet(2);
-        f.overlap_blocks = vec![4, 0];
-        f.kv_blocks_used = vec![50, 0];
+        let f = fleet(&[4, 0], &[50, 0], &[], &[]);
         // Worker 0: 6 uncached + 50 used = 56; worker 1: 10 + 0 = 10.
         assert_eq!(
             KvAwareRouter::default().route(&request(10), &f),
@@ -132,25 +148,25 @@ mod tests {
 
     #[test]
     fn skips_workers_that_cannot_serve_the_hop_and_rejects_when_none_can() {
-        let mut f = fleet(3);
-        f.overlap_blocks = vec![9, 9, 0];
-        f.state[0] = WorkerState::new(false, true, true).0;
-        f.state[1] = WorkerState::new(true, true, false).0;
+        let (sick, prefill_only) = (
+            WorkerState::new(false, true, true),
+            WorkerState::new(true, true, false),
+        );
+        let f = fleet(&[9, 9, 0], &[], &[], &[sick, prefill_only]);
         let router = KvAwareRouter::default();
         assert_eq!(router.route(&request(10), &f), RouteDecision::Worker(2));
         let mut prefill = request(10);
         prefill.hop = Hop::Prefill;
         assert_eq!(router.route(&prefill, &f), RouteDecision::Worker(1));
-        f.state[2] = 0;
+        let none = fleet(&[9, 9, 0], &[], &[], &[sick, prefill_only, sick]);
         assert!(
-            matches!(router.route(&request(10), &f), RouteDecision::Reject(r) if r.status == 503)
+            matches!(router.route(&request(10), &none), RouteDecision::Reject(r) if r.status == 503)
         );
     }
 
     #[test]
     fn ties_go_to_fewer_active_requests() {
-        let mut f = fleet(2);
-        f.active_requests = vec![3, 1];
+        let f = fleet(&[0, 0], &[], &[3, 1], &[]);
         assert_eq!(
             KvAwareRouter::default().route(&request(4), &f),
             RouteDecision::Worker(1)

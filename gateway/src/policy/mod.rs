@@ -10,7 +10,7 @@ mod view;
 pub use builtin::{AdmitAll, KvAwareRouter, LruCache};
 pub use view::{
     AdmitDecision, CacheHints, Completion, EvictionCandidates, FleetSaturation, FleetView, Hop,
-    Outcome, Rejection, RequestView, RouteDecision, WorkerState,
+    Outcome, Rejection, RequestView, RouteDecision, WorkerLoad, WorkerState,
 };
 
 /// Picks the worker for each hop of each request.

@@ -29,7 +29,7 @@ pub struct RequestView {
 }
 
 /// A worker's state bits, as `wit/policy.wit` defines them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WorkerState(pub u8);
 
 impl WorkerState {
@@ -56,51 +56,131 @@ impl WorkerState {
     }
 }
 
-/// The candidate workers as struct-of-arrays: entry `i` of each column is worker `i`.
+/// One worker's entry in a [`FleetView`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WorkerLoad {
+    pub state: WorkerState,
+    /// Stable gateway id, never reused.
+    pub id: u32,
+    pub active_requests: u32,
+    pub queued_prefill_tokens: u32,
+    /// Blocks held by running requests.
+    pub kv_blocks_used: u32,
+    pub kv_blocks_total: u32,
+    /// Blocks of this request's prompt already cached on the worker.
+    pub overlap_blocks: u32,
+}
+
+/// The candidate workers as struct-of-arrays packed into one buffer, exactly as
+/// `wit/policy.wit` lays out `fleet-view`: seven columns of `len()` entries.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct FleetView {
-    /// [`WorkerState`] bits.
-    pub state: Vec<u8>,
-    /// Stable gateway ids, never reused.
-    pub worker_ids: Vec<u32>,
-    pub active_requests: Vec<u32>,
-    pub queued_prefill_tokens: Vec<u32>,
-    /// Blocks held by running requests.
-    pub kv_blocks_used: Vec<u32>,
-    pub kv_blocks_total: Vec<u32>,
-    /// Blocks of this request's prompt already cached on each worker.
-    pub overlap_blocks: Vec<u32>,
+    workers: usize,
+    columns: Vec<u32>,
+}
+
+/// Column numbers in [`FleetView`]'s buffer (the WIT contract's order).
+mod column {
+    pub const STATE: usize = 0;
+    pub const WORKER_ID: usize = 1;
+    pub const ACTIVE_REQUESTS: usize = 2;
+    pub const QUEUED_PREFILL_TOKENS: usize = 3;
+    pub const KV_BLOCKS_USED: usize = 4;
+    pub const KV_BLOCKS_TOTAL: usize = 5;
+    pub const OVERLAP_BLOCKS: usize = 6;
+    pub const COUNT: usize = 7;
 }
 
 impl FleetView {
+    /// The fleet of `workers`, in order.
+    pub fn from_workers(workers: &[WorkerLoad]) -> Self {
+        let n = workers.len();
+        let mut columns = vec![0; n * column::COUNT];
+        for (i, w) in workers.iter().enumerate() {
+            let fields = [
+                u32::from(w.state.0),
+                w.id,
+                w.active_requests,
+                w.queued_prefill_tokens,
+                w.kv_blocks_used,
+                w.kv_blocks_total,
+                w.overlap_blocks,
+            ];
+            for (c, value) in fields.into_iter().enumerate() {
+                columns[c * n + i] = value;
+            }
+        }
+        Self {
+            workers: n,
+            columns,
+        }
+    }
+
     pub fn len(&self) -> usize {
-        self.state.len()
+        self.workers
     }
 
     pub fn is_empty(&self) -> bool {
-        self.state.is_empty()
+        self.workers == 0
     }
 
-    /// True when every column has one entry per worker.
-    pub fn is_consistent(&self) -> bool {
-        let n = self.len();
-        [
-            self.worker_ids.len(),
-            self.active_requests.len(),
-            self.queued_prefill_tokens.len(),
-            self.kv_blocks_used.len(),
-            self.kv_blocks_total.len(),
-            self.overlap_blocks.len(),
-        ]
-        .iter()
-        .all(|&len| len == n)
+    /// The packed buffer, as the WIT contract lays it out.
+    pub fn columns(&self) -> &[u32] {
+        &self.columns
+    }
+
+    fn column(&self, c: usize) -> &[u32] {
+        &self.columns[c * self.workers..(c + 1) * self.workers]
+    }
+
+    /// [`WorkerState`] bits, one per worker.
+    pub fn state(&self) -> &[u32] {
+        self.column(column::STATE)
+    }
+    pub fn worker_ids(&self) -> &[u32] {
+        self.column(column::WORKER_ID)
+    }
+    pub fn active_requests(&self) -> &[u32] {
+        self.column(column::ACTIVE_REQUESTS)
+    }
+    pub fn queued_prefill_tokens(&self) -> &[u32] {
+        self.column(column::QUEUED_PREFILL_TOKENS)
+    }
+    pub fn kv_blocks_used(&self) -> &[u32] {
+        self.column(column::KV_BLOCKS_USED)
+    }
+    pub fn kv_blocks_total(&self) -> &[u32] {
+        self.column(column::KV_BLOCKS_TOTAL)
+    }
+    pub fn overlap_blocks(&self) -> &[u32] {
+        self.column(column::OVERLAP_BLOCKS)
+    }
+
+    /// The overlap column, to fill in per request from the KV index.
+    pub fn overlap_blocks_mut(&mut self) -> &mut [u32] {
+        let n = self.workers;
+        &mut self.columns[column::OVERLAP_BLOCKS * n..(column::OVERLAP_BLOCKS + 1) * n]
+    }
+
+    /// Worker `i`; `None` past the end.
+    pub fn worker(&self, i: usize) -> Option<WorkerLoad> {
+        (i < self.workers).then(|| {
+            let at = |c: usize| self.columns[c * self.workers + i];
+            WorkerLoad {
+                state: WorkerState(at(column::STATE) as u8),
+                id: at(column::WORKER_ID),
+                active_requests: at(column::ACTIVE_REQUESTS),
+                queued_prefill_tokens: at(column::QUEUED_PREFILL_TOKENS),
+                kv_blocks_used: at(column::KV_BLOCKS_USED),
+                kv_blocks_total: at(column::KV_BLOCKS_TOTAL),
+                overlap_blocks: at(column::OVERLAP_BLOCKS),
+            }
+        })
     }
 
     /// Worker `i` can serve the request's hop.
     pub fn serves(&self, i: usize, hop: Hop) -> bool {
-        self.state
-            .get(i)
-            .is_some_and(|&s| WorkerState(s).serves(hop))
+        i < self.workers && WorkerState(self.state()[i] as u8).serves(hop)
     }
 }
 

@@ -12,7 +12,7 @@ pub struct RoundRobin {
 
 impl Router for RoundRobin {
     fn route(&mut self, request: &RequestView, fleet: &FleetView) -> RouteDecision {
-        let id_of = |i: u32| fleet.worker_ids[i as usize];
+        let id_of = |i: u32| fleet.worker_ids()[i as usize];
         let after_last = |i: &u32| self.last_id.is_none_or(|last| id_of(*i) > last);
         let next = fleet
             .eligible(request.hop)

@@ -53,27 +53,69 @@ pub struct Worker {
     pub overlap_blocks: u32,
 }
 
+/// Column numbers in `FleetView::columns` (the WIT contract's order).
+const STATE: usize = 0;
+const WORKER_ID: usize = 1;
+const ACTIVE_REQUESTS: usize = 2;
+const QUEUED_PREFILL_TOKENS: usize = 3;
+const KV_BLOCKS_USED: usize = 4;
+const KV_BLOCKS_TOTAL: usize = 5;
+const OVERLAP_BLOCKS: usize = 6;
+const COLUMNS: usize = 7;
+
 impl FleetView {
-    /// Number of workers (the length of every list).
+    /// Number of workers.
     pub fn len(&self) -> usize {
-        self.state.len()
+        self.workers as usize
     }
 
     pub fn is_empty(&self) -> bool {
-        self.state.is_empty()
+        self.workers == 0
+    }
+
+    /// Column `c` (empty if the host sent a short buffer, which it never does).
+    fn column(&self, c: usize) -> &[u32] {
+        let n = self.len();
+        self.columns.get(c * n..(c + 1) * n).unwrap_or(&[])
+    }
+
+    /// State bits per worker (see [`WorkerState`]).
+    pub fn state(&self) -> &[u32] {
+        self.column(STATE)
+    }
+    /// The gateway's stable id of each worker.
+    pub fn worker_ids(&self) -> &[u32] {
+        self.column(WORKER_ID)
+    }
+    pub fn active_requests(&self) -> &[u32] {
+        self.column(ACTIVE_REQUESTS)
+    }
+    pub fn queued_prefill_tokens(&self) -> &[u32] {
+        self.column(QUEUED_PREFILL_TOKENS)
+    }
+    pub fn kv_blocks_used(&self) -> &[u32] {
+        self.column(KV_BLOCKS_USED)
+    }
+    pub fn kv_blocks_total(&self) -> &[u32] {
+        self.column(KV_BLOCKS_TOTAL)
+    }
+    /// Blocks of this request's prompt already cached on each worker.
+    pub fn overlap_blocks(&self) -> &[u32] {
+        self.column(OVERLAP_BLOCKS)
     }
 
     /// Worker `i`; `None` past the end.
     pub fn worker(&self, i: usize) -> Option<Worker> {
+        let at = |c: usize| self.column(c).get(i).copied();
         Some(Worker {
             index: i as u32,
-            id: *self.worker_ids.get(i)?,
-            state: WorkerState(*self.state.get(i)?),
-            active_requests: *self.active_requests.get(i)?,
-            queued_prefill_tokens: *self.queued_prefill_tokens.get(i)?,
-            kv_blocks_used: *self.kv_blocks_used.get(i)?,
-            kv_blocks_total: *self.kv_blocks_total.get(i)?,
-            overlap_blocks: *self.overlap_blocks.get(i)?,
+            id: at(WORKER_ID)?,
+            state: WorkerState(at(STATE)? as u8),
+            active_requests: at(ACTIVE_REQUESTS)?,
+            queued_prefill_tokens: at(QUEUED_PREFILL_TOKENS)?,
+            kv_blocks_used: at(KV_BLOCKS_USED)?,
+            kv_blocks_total: at(KV_BLOCKS_TOTAL)?,
+            overlap_blocks: at(OVERLAP_BLOCKS)?,
         })
     }
 
@@ -84,19 +126,25 @@ impl FleetView {
 
     /// Indexes of the healthy workers that can serve `hop`.
     pub fn eligible(&self, hop: Hop) -> impl Iterator<Item = u32> + '_ {
-        self.state
+        self.state()
             .iter()
             .enumerate()
-            .filter(move |(_, s)| WorkerState(**s).serves(hop))
+            .filter(move |(_, s)| WorkerState(**s as u8).serves(hop))
             .map(|(i, _)| i as u32)
     }
 
     /// The index of the worker with this id, if it is in the fleet.
     pub fn index_of(&self, id: u32) -> Option<u32> {
-        self.worker_ids
+        self.worker_ids()
             .iter()
             .position(|&w| w == id)
             .map(|i| i as u32)
+    }
+
+    /// Sets worker `i`'s state bits (for tests that change a fleet in place).
+    pub fn set_state(&mut self, i: usize, state: WorkerState) {
+        let n = self.len();
+        self.columns[STATE * n + i] = u32::from(state.0);
     }
 }
 
@@ -120,25 +168,27 @@ impl Worker {
 impl FromIterator<Worker> for FleetView {
     /// Builds a fleet from workers; their `index` fields are ignored (position wins).
     fn from_iter<I: IntoIterator<Item = Worker>>(workers: I) -> FleetView {
-        let mut fleet = FleetView {
-            state: Vec::new(),
-            worker_ids: Vec::new(),
-            active_requests: Vec::new(),
-            queued_prefill_tokens: Vec::new(),
-            kv_blocks_used: Vec::new(),
-            kv_blocks_total: Vec::new(),
-            overlap_blocks: Vec::new(),
-        };
-        for w in workers {
-            fleet.state.push(w.state.0);
-            fleet.worker_ids.push(w.id);
-            fleet.active_requests.push(w.active_requests);
-            fleet.queued_prefill_tokens.push(w.queued_prefill_tokens);
-            fleet.kv_blocks_used.push(w.kv_blocks_used);
-            fleet.kv_blocks_total.push(w.kv_blocks_total);
-            fleet.overlap_blocks.push(w.overlap_blocks);
+        let workers: Vec<Worker> = workers.into_iter().collect();
+        let n = workers.len();
+        let mut columns = vec![0; n * COLUMNS];
+        for (i, w) in workers.iter().enumerate() {
+            let fields = [
+                u32::from(w.state.0),
+                w.id,
+                w.active_requests,
+                w.queued_prefill_tokens,
+                w.kv_blocks_used,
+                w.kv_blocks_total,
+                w.overlap_blocks,
+            ];
+            for (c, value) in fields.into_iter().enumerate() {
+                columns[c * n + i] = value;
+            }
         }
-        fleet
+        FleetView {
+            workers: n as u32,
+            columns,
+        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! Building blocks for KV-aware routing, shared by the `kv-aware` and
 //! `session-affinity` plugins: Dynamo's cost and a softmax pick.
 
-use crate::{FleetView, RequestView, Worker};
+use crate::{FleetView, RequestView, Worker, WorkerState};
 
 /// Dynamo's routing cost of sending `request` to `worker`: the prompt blocks it
 /// would have to prefill (`overlap_weight` each) plus the KV blocks its running
@@ -14,18 +14,25 @@ pub fn cost(request: &RequestView, worker: &Worker, overlap_weight: f64) -> f64 
 /// The eligible worker with the lowest [`cost`]; ties go to fewer active
 /// requests, then the lower index. `None` when no worker can serve the hop.
 pub fn cheapest(request: &RequestView, fleet: &FleetView, overlap_weight: f64) -> Option<u32> {
-    fleet
-        .eligible(request.hop)
-        .filter_map(|i| fleet.worker(i as usize))
-        .map(|w| {
-            (
-                cost(request, &w, overlap_weight),
-                w.active_requests,
-                w.index,
-            )
-        })
-        .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)))
-        .map(|(_, _, i)| i)
+    // Walks the columns side by side: this runs for every request.
+    let columns = fleet
+        .state()
+        .iter()
+        .zip(fleet.overlap_blocks())
+        .zip(fleet.kv_blocks_used())
+        .zip(fleet.active_requests());
+    let mut best: Option<(f64, u32, u32)> = None;
+    for (i, (((&state, &overlap), &used), &active)) in columns.enumerate() {
+        if !WorkerState(state as u8).serves(request.hop) {
+            continue;
+        }
+        let uncached = request.prompt_blocks.saturating_sub(overlap);
+        let c = overlap_weight * f64::from(uncached) + f64::from(used);
+        if best.is_none_or(|(bc, ba, _)| c < bc || (c == bc && active < ba)) {
+            best = Some((c, active, i as u32));
+        }
+    }
+    best.map(|(_, _, i)| i)
 }
 
 /// Picks one of `costs` (index, cost) at random with probability proportional to
@@ -66,6 +73,18 @@ mod tests {
         assert_eq!(cost(&request(160), &w, 2.0), 2.0 * 7.0 + 7.0);
         w.overlap_blocks = 99; // more than the prompt: nothing to prefill
         assert_eq!(cost(&request(160), &w, 2.0), 7.0);
+    }
+
+    #[test]
+    fn cheapest_breaks_ties_by_active_requests_then_index() {
+        let mut ws: Vec<Worker> = (1..=3).map(Worker::idle).collect();
+        ws[0].active_requests = 2;
+        ws[2].overlap_blocks = 4;
+        ws[2].kv_blocks_used = 4; // same cost as the idle ones
+        let fleet: FleetView = ws.into_iter().collect();
+        assert_eq!(cheapest(&request(160), &fleet, 1.0), Some(1));
+        let empty: FleetView = std::iter::empty().collect();
+        assert_eq!(cheapest(&request(160), &empty, 1.0), None);
     }
 
     #[test]

@@ -66,12 +66,12 @@ pub fn check_route(
     fleet: &FleetView,
 ) -> Result<(), String> {
     match decision {
-        RouteDecision::Worker(i) => match fleet.state.get(*i as usize) {
+        RouteDecision::Worker(i) => match fleet.state().get(*i as usize) {
             None => Err(format!(
                 "worker index {i} is out of range (fleet of {})",
                 fleet.len()
             )),
-            Some(&s) if !WorkerState(s).serves(request.hop) => Err(format!(
+            Some(&s) if !WorkerState(s as u8).serves(request.hop) => Err(format!(
                 "worker {i} cannot serve the {:?} hop (state {s:#05b})",
                 request.hop
             )),

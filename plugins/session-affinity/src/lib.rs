@@ -90,7 +90,7 @@ impl Router for SessionAffinity {
         if request.session_hash != 0 {
             self.make_room(now);
             self.sessions
-                .insert(key, (fleet.worker_ids[i as usize], now + self.ttl_ns));
+                .insert(key, (fleet.worker_ids()[i as usize], now + self.ttl_ns));
             counter_add("placed", 1);
         }
         RouteDecision::Worker(i)
@@ -142,8 +142,9 @@ mod tests {
         let (req, fleet) = session(7, &[0, 5]);
         assert_eq!(r.route(&req, &fleet), RouteDecision::Worker(1));
         // The same worker (id 11) now listed first: affinity follows the id.
-        let mut moved: FleetView = [Worker::idle(11), Worker::idle(10)].into_iter().collect();
-        moved.overlap_blocks = vec![0, 9];
+        let mut other = Worker::idle(10);
+        other.overlap_blocks = 9;
+        let moved: FleetView = [Worker::idle(11), other].into_iter().collect();
         assert_eq!(r.route(&req, &moved), RouteDecision::Worker(0));
         testing::advance_ms(1001);
         assert_eq!(
@@ -159,7 +160,7 @@ mod tests {
         let mut r = RouterHarness::<SessionAffinity>::new("").unwrap();
         let (req, mut fleet) = session(9, &[0, 5]);
         assert_eq!(r.route(&req, &fleet), RouteDecision::Worker(1));
-        fleet.state[1] = WorkerState::new(false, true, true).0;
+        fleet.set_state(1, WorkerState::new(false, true, true));
         assert_eq!(r.route(&req, &fleet), RouteDecision::Worker(0));
     }
 
