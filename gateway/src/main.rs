@@ -1,11 +1,15 @@
-//! The `sluice` command: `sluice bench plugins` measures the Wasm policy host.
-//! (`sluice serve` and `sluice worker` come with the gateway and worker.)
+//! The `sluice` command: `sluice plugins check` loads a plugin component the way
+//! the gateway does and reports the verdict; `sluice bench plugins` measures the
+//! Wasm policy host. (`sluice serve` and `sluice worker` come with the gateway
+//! and the worker.)
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 use sluice_gateway::bench::{PluginBenchOptions, run_plugin_bench};
+use sluice_gateway::plugins::{Admission, Cache, HostConfig, PluginKind, Router, Runtime, Slot};
 
 #[derive(Parser)]
 #[command(
@@ -20,11 +24,39 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Work with policy plugin components.
+    Plugins {
+        #[command(subcommand)]
+        which: Plugins,
+    },
     /// Run a benchmark; prints JSON lines, the last one a summary.
     Bench {
         #[command(subcommand)]
         which: Bench,
     },
+}
+
+#[derive(Subcommand)]
+enum Plugins {
+    /// Load a component as the gateway would (compile, check imports and
+    /// exports, init with the config, smoke call) and print the verdict.
+    Check {
+        /// The component (`.wasm`).
+        file: PathBuf,
+        /// The slot it is for.
+        #[arg(long, value_enum)]
+        kind: Kind,
+        /// The config string passed to the plugin's `init`.
+        #[arg(long, default_value = "")]
+        config: String,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Kind {
+    Router,
+    Admission,
+    CachePolicy,
 }
 
 #[derive(Subcommand)]
@@ -46,7 +78,17 @@ enum Bench {
     },
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sluice: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -55,6 +97,13 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
+        Command::Plugins {
+            which: Plugins::Check { file, kind, config },
+        } => match kind {
+            Kind::Router => check::<Router>(&file, &config),
+            Kind::Admission => check::<Admission>(&file, &config),
+            Kind::CachePolicy => check::<Cache>(&file, &config),
+        }?,
         Command::Bench {
             which:
                 Bench::Plugins {
@@ -80,5 +129,28 @@ fn main() -> anyhow::Result<()> {
             println!("{summary}");
         }
     }
+    Ok(())
+}
+
+/// `sluice plugins check`: prints the identity and load time, or the refusal.
+fn check<K: PluginKind>(file: &Path, config: &str) -> anyhow::Result<()> {
+    let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+    let name = file
+        .file_stem()
+        .map_or_else(|| "plugin".into(), |s| s.to_string_lossy().into_owned());
+    let runtime =
+        Arc::new(Runtime::new(HostConfig::default()).map_err(|e| anyhow::anyhow!("{e:#}"))?);
+    let slot = Slot::<K>::new(runtime);
+    let (identity, timings) = slot.load(&name, &bytes, config)?;
+    println!(
+        "{}",
+        serde_json::json!({
+            "ok": true,
+            "slot": K::INTERFACE,
+            "plugin": identity.name,
+            "digest": identity.digest,
+            "validate_ms": timings.validate.as_secs_f64() * 1e3,
+        })
+    );
     Ok(())
 }

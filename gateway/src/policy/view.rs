@@ -39,9 +39,9 @@ impl WorkerState {
 
     pub const fn new(healthy: bool, can_prefill: bool, can_decode: bool) -> Self {
         Self(
-            (healthy as u8) * Self::HEALTHY
-                | (can_prefill as u8) * Self::CAN_PREFILL
-                | (can_decode as u8) * Self::CAN_DECODE,
+            if healthy { Self::HEALTHY } else { 0 }
+                | if can_prefill { Self::CAN_PREFILL } else { 0 }
+                | if can_decode { Self::CAN_DECODE } else { 0 },
         )
     }
 

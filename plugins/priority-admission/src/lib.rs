@@ -51,7 +51,7 @@ impl Admission for PriorityAdmission {
                 self.kv_threshold
             ));
         }
-        if !(self.active_per_worker > 0.0) {
+        if self.active_per_worker.is_nan() || self.active_per_worker <= 0.0 {
             return Err("active_per_worker must be > 0".into());
         }
         Ok(())

@@ -14,9 +14,9 @@ pub struct WorkerState(pub u8);
 impl WorkerState {
     pub const fn new(healthy: bool, can_prefill: bool, can_decode: bool) -> Self {
         Self(
-            (healthy as u8) * HEALTHY
-                | (can_prefill as u8) * CAN_PREFILL
-                | (can_decode as u8) * CAN_DECODE,
+            if healthy { HEALTHY } else { 0 }
+                | if can_prefill { CAN_PREFILL } else { 0 }
+                | if can_decode { CAN_DECODE } else { 0 },
         )
     }
     pub fn healthy(self) -> bool {

@@ -1,0 +1,57 @@
+# sluice: `make run` and `make test` set everything up first (`make setup`).
+# Every step is idempotent and quick when nothing changed.
+
+CARGO ?= cargo
+WASM_TARGET := wasm32-wasip2
+PLUGINS_OUT := plugins/target/$(WASM_TARGET)/release
+SLUICE := target/release/sluice
+
+.PHONY: setup toolchain plugins build run test lint test-rust test-plugins bench-plugins fmt clean
+
+## setup: Rust target and components, the plugin components, the release binary
+setup: toolchain plugins build
+
+toolchain:
+	@command -v rustup >/dev/null || { echo "rustup is required (https://rustup.rs)"; exit 1; }
+	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
+	@rustup component list --installed | grep -q '^clippy' || rustup component add clippy
+	@rustup component list --installed | grep -q '^rustfmt' || rustup component add rustfmt
+
+## plugins: every policy plugin (and test fixture) as a Wasm component in $(PLUGINS_OUT)
+plugins: toolchain
+	cd plugins && $(CARGO) build --locked --release --target $(WASM_TARGET)
+
+build: toolchain
+	$(CARGO) build --locked --release -p sluice-gateway
+
+## run: sluice's main job (until the gateway lands: the plugin host benchmark)
+run: setup
+	$(SLUICE) bench plugins --plugins-dir $(PLUGINS_OUT)
+
+## test: formatting, lints, and every test (host tests run with optimizations:
+## plugin call deadlines are CPU time, and an unoptimized host is 20x slower)
+test: setup lint test-rust test-plugins
+
+lint:
+	$(CARGO) fmt --all --check
+	cd plugins && $(CARGO) fmt --all --check
+	$(CARGO) clippy --locked --all-targets -- -D warnings
+	cd plugins && $(CARGO) clippy --locked --all-targets -- -D warnings
+	cd plugins && $(CARGO) clippy --locked --release --target $(WASM_TARGET) -- -D warnings
+
+test-rust:
+	$(CARGO) test --locked --release --workspace
+
+test-plugins:
+	cd plugins && $(CARGO) test --locked
+
+bench-plugins: setup
+	$(SLUICE) bench plugins --plugins-dir $(PLUGINS_OUT)
+
+fmt:
+	$(CARGO) fmt --all
+	cd plugins && $(CARGO) fmt --all
+
+clean:
+	$(CARGO) clean
+	cd plugins && $(CARGO) clean
