@@ -51,7 +51,13 @@ fn kv_aware_in_wasm_agrees_with_the_native_policy() {
     for seed in 0..300 {
         let f = fleet(1 + (seed as usize % 70), seed);
         let r = request(8 + (seed as u32 % 60));
-        assert_eq!(router.route(&r, &f), native.route(&r, &f), "seed {seed}");
+        let (decision, answered_by) = router.route_traced(&r, &f);
+        assert_eq!(
+            answered_by,
+            Some(1),
+            "the plugin itself answered (seed {seed})"
+        );
+        assert_eq!(decision, native.route(&r, &f), "seed {seed}");
     }
     assert_eq!(router.slot().shared().stats.total_fallbacks(), 0);
 }
@@ -200,6 +206,31 @@ fn a_huge_answer_is_invalid() {
 #[test]
 fn wasi_use_traps() {
     contained("wasi", ErrorClass::Trap);
+}
+
+#[test]
+fn a_plugin_that_keeps_failing_is_benched_then_tried_again() {
+    let router = router_with("hostile", "mode=trap, worker=1");
+    let f = fleet(3, 4);
+    let mut bad = request(5);
+    bad.priority = 666;
+    let stats = &router.slot().shared().stats;
+    for _ in 0..3 {
+        assert_eq!(router.route_traced(&bad, &f).1, None);
+    }
+    assert_eq!(stats.fallbacks(ErrorClass::Trap), 3);
+    // Benched: even a good request is answered by the built-in policy, and the
+    // plugin is not called.
+    let calls = stats.calls.load(Ordering::Relaxed);
+    assert_eq!(router.route_traced(&request(5), &f).1, None);
+    assert_eq!(stats.calls.load(Ordering::Relaxed), calls);
+    assert_eq!(stats.fallbacks(ErrorClass::Benched), 1);
+    // The first bench is 10 ms; after it the plugin answers again.
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        router.route_traced(&request(5), &f),
+        (RouteDecision::Worker(1), Some(1))
+    );
 }
 
 #[test]

@@ -1,16 +1,18 @@
 //! One loaded version of a plugin: its compiled component, pre-instantiated, with
 //! a pool of ready instances (one `Store` each). A call takes an instance from the
-//! pool, sets its epoch deadline, runs, and puts it back; an instance whose call
-//! trapped, timed out or answered something invalid is dropped instead.
+//! pool, arms its deadline, runs, and puts it back; an instance whose call
+//! trapped, timed out or answered something invalid is dropped instead. A
+//! version that keeps failing is benched for a while (a circuit breaker), so a
+//! broken plugin cannot make every request pay for a fresh instance.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use wasmtime::component::{ComponentExportIndex, Func, InstancePre};
 use wasmtime::{Store, UpdateDeadline};
 
-use super::host_state::{HostState, PluginIdentity, SlotShared};
+use super::host_state::{DeniedImport, HostState, PluginIdentity, SlotShared};
 use super::kind::PluginKind;
 use super::runtime::Runtime;
 use super::stats::ErrorClass;
@@ -18,7 +20,8 @@ use super::stats::ErrorClass;
 /// Why one plugin call was not answered by the plugin.
 #[derive(Debug)]
 pub enum CallFailure {
-    /// Wasmtime reported an error: a trap, the epoch deadline, a failed import.
+    /// Wasmtime reported an error: a trap, the deadline, a malformed answer
+    /// that could not be lifted, a denied import.
     Wasm(wasmtime::Error),
     /// The plugin answered, but the host refuses the answer.
     Invalid(String),
@@ -30,31 +33,40 @@ impl From<wasmtime::Error> for CallFailure {
     }
 }
 
-/// A ready instance: its store and the type-checked exports of its interface.
-pub struct Pooled {
-    pub store: Store<HostState>,
-    /// The interface's functions, in `PluginKind::FUNCTIONS` order.
-    pub funcs: Vec<Func>,
+/// A ready instance of a plugin of kind `K`: its store and the type-checked
+/// exports of its interface. Only this module and `kind` touch the fields, so a
+/// `Func` is only ever called with the types `K::type_check` checked.
+pub struct Pooled<K> {
+    pub(super) store: Store<HostState>,
+    /// The interface's functions, in `K::FUNCTIONS` order.
+    pub(super) funcs: Vec<Func>,
+    _kind: std::marker::PhantomData<fn() -> K>,
 }
 
-impl Pooled {
-    /// Prepares the instance for one call: a fresh CPU deadline, from the next
-    /// epoch tick on, and a clear memory-limit flag.
-    pub fn arm(&mut self, cpu_budget: std::time::Duration) {
+impl<K> Pooled<K> {
+    /// Prepares the instance for one call: a fresh deadline, from the next epoch
+    /// tick on, and a clear memory-limit flag.
+    pub(super) fn arm(&mut self, cpu_budget: Duration, started: Instant) {
         let data = self.store.data_mut();
         data.limiter.hit = false;
-        data.deadline.reset(cpu_budget);
+        data.deadline.reset(cpu_budget, started);
         self.store.set_epoch_deadline(1);
     }
 }
 
-impl std::fmt::Debug for Pooled {
+impl<K> std::fmt::Debug for Pooled<K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Pooled")
             .field("plugin", &self.store.data().identity)
             .finish()
     }
 }
+
+/// Consecutive failures after which a version is benched.
+const BREAKER_THRESHOLD: u32 = 3;
+/// First bench time; it doubles with each further failure, up to the maximum.
+const BREAKER_FIRST: Duration = Duration::from_millis(10);
+const BREAKER_MAX: Duration = Duration::from_secs(1);
 
 /// One version of one plugin in one slot.
 pub struct Generation<K: PluginKind> {
@@ -65,10 +77,15 @@ pub struct Generation<K: PluginKind> {
     instance_pre: InstancePre<HostState>,
     /// Export indexes of the interface's functions, in `K::FUNCTIONS` order.
     exports: Vec<ComponentExportIndex>,
-    idle: Mutex<Vec<Pooled>>,
-    /// Set when the version leaves the slot: instances are no longer pooled.
+    idle: Mutex<Vec<Pooled<K>>>,
+    /// Set (under the `idle` lock) when the version leaves the slot: instances
+    /// are no longer pooled.
     retired: AtomicBool,
-    _kind: std::marker::PhantomData<fn() -> K>,
+    /// Failed calls in a row (reset by a success).
+    failures_in_a_row: AtomicU32,
+    /// Until when (ns since the runtime started) calls go straight to the
+    /// built-in policy.
+    benched_until_ns: AtomicU64,
 }
 
 impl<K: PluginKind> std::fmt::Debug for Generation<K> {
@@ -98,18 +115,19 @@ impl<K: PluginKind> Generation<K> {
             exports,
             idle: Mutex::new(Vec::new()),
             retired: AtomicBool::new(false),
-            _kind: std::marker::PhantomData,
+            failures_in_a_row: AtomicU32::new(0),
+            benched_until_ns: AtomicU64::new(0),
         }
     }
 
     /// Makes a new instance and runs the plugin's `init` with this version's config.
-    pub(super) fn instantiate(&self) -> Result<Pooled, CallFailure> {
+    pub(super) fn instantiate(&self) -> Result<Pooled<K>, CallFailure> {
         let rt = &self.runtime;
         let state = HostState::new(
             self.identity.clone(),
             self.slot.clone(),
             rt.config.max_memory_bytes,
-            (rt.config.max_call_wall.as_nanos() / rt.config.epoch_tick.as_nanos().max(1)) as u64,
+            rt.config.max_call_wall,
             rt.started,
         );
         let mut store = Store::new(&rt.engine, state);
@@ -121,7 +139,10 @@ impl<K: PluginKind> Generation<K> {
                 UpdateDeadline::Interrupt
             })
         });
-        store.data_mut().deadline.reset(rt.config.init_cpu_budget);
+        store
+            .data_mut()
+            .deadline
+            .reset(rt.config.init_cpu_budget, Instant::now());
         store.set_epoch_deadline(1);
         let instance = self.instance_pre.instantiate(&mut store)?;
         let mut funcs = Vec::with_capacity(self.exports.len());
@@ -132,7 +153,11 @@ impl<K: PluginKind> Generation<K> {
             funcs.push(func);
         }
         K::type_check(&store, &funcs)?;
-        let mut pooled = Pooled { store, funcs };
+        let mut pooled = Pooled {
+            store,
+            funcs,
+            _kind: std::marker::PhantomData,
+        };
         K::init(&mut pooled, &self.config)?.map_err(|e| {
             CallFailure::Invalid(format!("init refused its config {:?}: {e}", self.config))
         })?;
@@ -156,14 +181,17 @@ impl<K: PluginKind> Generation<K> {
         Ok(())
     }
 
-    /// Stops pooling instances (the slot moved on); in-flight calls finish.
+    /// Stops pooling instances (the slot moved on); in-flight calls finish and
+    /// drop theirs.
     pub(super) fn retire(&self) {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         self.retired.store(true, Ordering::Relaxed);
-        self.idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        idle.clear();
     }
 
-    /// Pools instances again (the version came back by rollback).
+    /// Pools instances again (the version is active again).
     pub(super) fn reinstate(&self) {
+        let _idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         self.retired.store(false, Ordering::Relaxed);
     }
 
@@ -175,11 +203,16 @@ impl<K: PluginKind> Generation<K> {
     /// Runs `call` on a pooled instance under the call deadline. On failure the
     /// instance is dropped, the failure is counted and logged, and its class is
     /// returned so that the caller answers with the built-in policy.
-    pub fn call<R>(
+    pub(super) fn call<R>(
         &self,
-        call: impl FnOnce(&mut Pooled) -> Result<R, CallFailure>,
+        call: impl FnOnce(&mut Pooled<K>) -> Result<R, CallFailure>,
     ) -> Result<R, ErrorClass> {
         let stats = &self.slot.stats;
+        let now_ns = self.runtime.started.elapsed().as_nanos() as u64;
+        if now_ns < self.benched_until_ns.load(Ordering::Relaxed) {
+            stats.count_fallback(ErrorClass::Benched);
+            return Err(ErrorClass::Benched);
+        }
         stats.calls.fetch_add(1, Ordering::Relaxed);
         let started = Instant::now();
         let pooled = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
@@ -187,51 +220,77 @@ impl<K: PluginKind> Generation<K> {
             Some(p) => p,
             None => match self.instantiate() {
                 Ok(p) => p,
-                Err(failure) => return Err(self.fail(None, failure, ErrorClass::Instantiate)),
+                Err(failure) => {
+                    return Err(self.fail(failure, Some(ErrorClass::Instantiate), false));
+                }
             },
         };
-        pooled.arm(self.runtime.config.call_cpu_budget);
+        pooled.arm(self.runtime.config.call_cpu_budget, started);
         let result = call(&mut pooled);
         stats.call_ns.record(started.elapsed().as_nanos() as f64);
         match result {
             Ok(answer) => {
-                if !self.retired.load(Ordering::Relaxed) {
-                    let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-                    if idle.len() < self.runtime.config.max_idle_instances {
-                        idle.push(pooled);
-                    }
+                self.failures_in_a_row.store(0, Ordering::Relaxed);
+                let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+                if !self.retired.load(Ordering::Relaxed)
+                    && idle.len() < self.runtime.config.max_idle_instances
+                {
+                    idle.push(pooled);
                 }
                 Ok(answer)
             }
-            Err(failure) => Err(self.fail(Some(pooled), failure, ErrorClass::Trap)),
+            Err(failure) => {
+                let memory_hit = pooled.store.data().limiter.hit;
+                drop(pooled);
+                Err(self.fail(failure, None, memory_hit))
+            }
         }
     }
 
-    /// Classifies, counts and logs a failed call; the instance is dropped.
+    /// Classifies, counts and logs a failed call (its instance already dropped),
+    /// and benches the version after repeated failures.
     fn fail(
         &self,
-        pooled: Option<Pooled>,
         failure: CallFailure,
-        default: ErrorClass,
+        class: Option<ErrorClass>,
+        memory_hit: bool,
     ) -> ErrorClass {
-        let memory_hit = pooled.as_ref().is_some_and(|p| p.store.data().limiter.hit);
-        let (class, reason) = match &failure {
+        let (found, reason) = match &failure {
             CallFailure::Invalid(why) => (ErrorClass::Invalid, why.clone()),
             CallFailure::Wasm(e) => {
                 let class = match e.downcast_ref::<wasmtime::Trap>() {
                     Some(wasmtime::Trap::Interrupt) => ErrorClass::Timeout,
+                    // A refused memory grow, then whatever failure followed.
                     _ if memory_hit => ErrorClass::Memory,
-                    _ => default,
+                    Some(_) => ErrorClass::Trap,
+                    // A denied WASI import is the guest's own call, stopped.
+                    None if e.downcast_ref::<DeniedImport>().is_some() => ErrorClass::Trap,
+                    // Anything else failed while lifting the answer: a bad
+                    // string, an out-of-bounds list, an unknown variant case.
+                    None => ErrorClass::Invalid,
                 };
                 (class, format!("{e:#}"))
             }
         };
+        let class = class.unwrap_or(found);
         self.slot.stats.count_fallback(class);
-        if self.slot.allow_log_line() {
+        let in_a_row = self.failures_in_a_row.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut benched = Duration::ZERO;
+        if in_a_row >= BREAKER_THRESHOLD {
+            benched = BREAKER_FIRST
+                .saturating_mul(1 << (in_a_row - BREAKER_THRESHOLD).min(16))
+                .min(BREAKER_MAX);
+            let until = self.runtime.started.elapsed() + benched;
+            self.benched_until_ns
+                .store(until.as_nanos() as u64, Ordering::Relaxed);
+        }
+        if self.slot.allow_host_log_line() {
             tracing::warn!(
                 plugin = %self.identity.name,
                 version = self.identity.version,
                 class = %class,
+                in_a_row,
+                benched_ms = benched.as_millis() as u64,
                 reason = %super::stats::truncate(&reason, 512),
                 "plugin call failed; answered by the built-in policy"
             );

@@ -2,7 +2,7 @@
 //! and the slot-wide shared parts (stats, metrics, log rate limit).
 
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use wasmtime::ResourceLimiter;
 
@@ -19,34 +19,27 @@ pub struct PluginIdentity {
     pub digest: String,
 }
 
-/// Parts of a slot that every store of every version shares.
+/// A token bucket: `rate` tokens a second, burst of one second's worth.
 #[derive(Debug)]
-pub struct SlotShared {
-    pub stats: SlotStats,
-    pub metrics: Arc<PluginMetrics>,
-    pub max_log_line_bytes: usize,
-    log_rate: f64,
-    /// (tokens, last refill) of the log rate limit.
-    log_bucket: Mutex<(f64, Instant)>,
+struct RateLimit {
+    rate: f64,
+    /// (tokens, last refill).
+    bucket: Mutex<(f64, Instant)>,
 }
 
-impl SlotShared {
-    pub fn new(log_lines_per_sec: f64, max_log_line_bytes: usize) -> Self {
+impl RateLimit {
+    fn new(rate: f64) -> Self {
         Self {
-            stats: SlotStats::default(),
-            metrics: Arc::new(PluginMetrics::default()),
-            max_log_line_bytes,
-            log_rate: log_lines_per_sec,
-            log_bucket: Mutex::new((log_lines_per_sec, Instant::now())),
+            rate,
+            bucket: Mutex::new((rate, Instant::now())),
         }
     }
 
-    /// Takes one token from the log bucket (burst = one second's worth).
-    pub fn allow_log_line(&self) -> bool {
-        let mut bucket = self.log_bucket.lock().unwrap_or_else(|e| e.into_inner());
+    fn allow(&self) -> bool {
+        let mut bucket = self.bucket.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
-        let refill = now.duration_since(bucket.1).as_secs_f64() * self.log_rate;
-        *bucket = ((bucket.0 + refill).min(self.log_rate), now);
+        let refill = now.duration_since(bucket.1).as_secs_f64() * self.rate;
+        *bucket = ((bucket.0 + refill).min(self.rate), now);
         if bucket.0 >= 1.0 {
             bucket.0 -= 1.0;
             true
@@ -55,6 +48,47 @@ impl SlotShared {
         }
     }
 }
+
+/// Parts of a slot that every store of every version shares.
+#[derive(Debug)]
+pub struct SlotShared {
+    pub stats: SlotStats,
+    pub metrics: Arc<PluginMetrics>,
+    pub max_log_line_bytes: usize,
+    /// The plugin's own `log` lines.
+    plugin_log: RateLimit,
+    /// The host's warnings about the plugin (kept apart, so that a plugin cannot
+    /// drown out the reports of its own failures).
+    host_log: RateLimit,
+}
+
+impl SlotShared {
+    pub fn new(log_lines_per_sec: f64, max_log_line_bytes: usize) -> Self {
+        Self {
+            stats: SlotStats::default(),
+            metrics: Arc::new(PluginMetrics::default()),
+            max_log_line_bytes,
+            plugin_log: RateLimit::new(log_lines_per_sec),
+            host_log: RateLimit::new(log_lines_per_sec),
+        }
+    }
+
+    /// May the plugin log one more line now?
+    pub fn allow_log_line(&self) -> bool {
+        self.plugin_log.allow()
+    }
+
+    /// May the host log one more warning about this slot now?
+    pub fn allow_host_log_line(&self) -> bool {
+        self.host_log.allow()
+    }
+}
+
+/// The error a guest gets from any `wasi:*` import: nothing but
+/// `sluice:policy/host` is granted.
+#[derive(Debug, thiserror::Error)]
+#[error("import `{0}` is denied: plugins get no WASI (only sluice:policy/host)")]
+pub struct DeniedImport(pub String);
 
 /// Caps linear memory and remembers whether the cap was hit, so that the trap
 /// that follows is counted as a memory error.
@@ -92,44 +126,41 @@ impl ResourceLimiter for MemoryLimiter {
 #[derive(Debug)]
 pub struct CallDeadline {
     /// CPU time the call may use after the first tick that finds it running.
-    pub cpu_budget_ns: u64,
-    /// Ticks after which the call stops regardless.
-    pub max_ticks: u64,
+    cpu_budget_ns: u64,
+    /// Wall time after which the call stops regardless.
+    max_wall: Duration,
+    /// When the call started.
+    started: Instant,
     /// Thread CPU time at the first tick of this call.
     first_tick_cpu_ns: Option<u64>,
-    ticks: u64,
 }
 
 impl CallDeadline {
     /// Starts a new call with `budget` of CPU time.
-    pub fn reset(&mut self, budget: std::time::Duration) {
+    pub fn reset(&mut self, budget: Duration, started: Instant) {
         self.cpu_budget_ns = budget.as_nanos() as u64;
+        self.started = started;
         self.first_tick_cpu_ns = None;
-        self.ticks = 0;
     }
 
     /// Called at each epoch tick during a call: keep running?
     pub fn tick(&mut self) -> bool {
-        self.ticks += 1;
-        let now = thread_cpu_ns();
+        let now = thread_cpu_ns().unwrap_or_else(|| self.started.elapsed().as_nanos() as u64);
         let first = *self.first_tick_cpu_ns.get_or_insert(now);
-        now.saturating_sub(first) < self.cpu_budget_ns && self.ticks < self.max_ticks
+        now.saturating_sub(first) < self.cpu_budget_ns && self.started.elapsed() < self.max_wall
     }
 }
 
-/// CPU time used by the calling thread, in nanoseconds.
-fn thread_cpu_ns() -> u64 {
+/// CPU time used by the calling thread, in nanoseconds (`None` if the system
+/// has no thread CPU clock; the deadline then counts wall time).
+fn thread_cpu_ns() -> Option<u64> {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
-    // SAFETY: `ts` is a valid, writable timespec; CLOCK_THREAD_CPUTIME_ID is
-    // supported on every Linux and macOS the gateway runs on.
+    // SAFETY: `ts` is a valid, writable timespec for the duration of the call.
     let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    if rc != 0 {
-        return u64::MAX; // no CPU clock: stop at the first tick past the budget
-    }
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    (rc == 0).then(|| ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
 }
 
 /// The data of one plugin `Store`.
@@ -147,7 +178,7 @@ impl HostState {
         identity: Arc<PluginIdentity>,
         slot: Arc<SlotShared>,
         max_memory_bytes: usize,
-        max_ticks: u64,
+        max_call_wall: Duration,
         started: Instant,
     ) -> Self {
         Self {
@@ -157,9 +188,9 @@ impl HostState {
             },
             deadline: CallDeadline {
                 cpu_budget_ns: 0,
-                max_ticks,
+                max_wall: max_call_wall,
+                started,
                 first_tick_cpu_ns: None,
-                ticks: 0,
             },
             identity,
             slot,

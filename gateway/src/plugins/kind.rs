@@ -20,8 +20,17 @@ use crate::policy::{
     WorkerState,
 };
 
-/// A plugin kind: one WIT interface of `sluice:policy`.
-pub trait PluginKind: Send + Sync + Sized + 'static {
+mod sealed {
+    /// Only the three kinds below are plugin kinds.
+    pub trait Sealed {}
+    impl Sealed for super::Router {}
+    impl Sealed for super::Admission {}
+    impl Sealed for super::Cache {}
+}
+
+/// A plugin kind: one WIT interface of `sluice:policy`. Sealed: the host knows
+/// exactly these three.
+pub trait PluginKind: sealed::Sealed + Send + Sync + Sized + 'static {
     /// The WIT interface, which is also the slot's name.
     const INTERFACE: &'static str;
     /// The interface's functions, `init` first.
@@ -33,10 +42,10 @@ pub trait PluginKind: Send + Sync + Sized + 'static {
 
     /// A call with made-up inputs whose answer must be valid: part of the checks
     /// a new version passes before it is swapped in.
-    fn smoke(pooled: &mut Pooled) -> Result<(), CallFailure>;
+    fn smoke(pooled: &mut Pooled<Self>) -> Result<(), CallFailure>;
 
     /// `init(config)`; the outer error is a trap, the inner one the plugin's refusal.
-    fn init(pooled: &mut Pooled, config: &str) -> wasmtime::Result<Result<(), String>> {
+    fn init(pooled: &mut Pooled<Self>, config: &str) -> wasmtime::Result<Result<(), String>> {
         // SAFETY: `type_check_init` checked funcs[0] against exactly these types.
         let init =
             unsafe { TypedFunc::<(&str,), (Result<(), String>,)>::new_unchecked(pooled.funcs[0]) };
@@ -84,7 +93,7 @@ type RouteFn<'a> = TypedFunc<(abi::RequestView, abi::FleetView<'a>), (abi::Route
 impl Router {
     /// Calls `route` and checks the answer; `Ok(None)` = use the default.
     fn route(
-        pooled: &mut Pooled,
+        pooled: &mut Pooled<Router>,
         request: &RequestView,
         fleet: &FleetView,
     ) -> Result<Option<RouteDecision>, CallFailure> {
@@ -125,7 +134,7 @@ impl PluginKind for Router {
         Ok(())
     }
 
-    fn smoke(pooled: &mut Pooled) -> Result<(), CallFailure> {
+    fn smoke(pooled: &mut Pooled<Router>) -> Result<(), CallFailure> {
         let workers: Vec<WorkerLoad> = (0..4u32)
             .map(|i| WorkerLoad {
                 state: WorkerState::new(true, true, true),
@@ -206,7 +215,7 @@ type OnCompleteFn = TypedFunc<(abi::Completion,), ()>;
 
 impl Admission {
     fn admit(
-        pooled: &mut Pooled,
+        pooled: &mut Pooled<Admission>,
         request: &RequestView,
         saturation: &FleetSaturation,
     ) -> Result<AdmitDecision, CallFailure> {
@@ -221,7 +230,7 @@ impl Admission {
         }
     }
 
-    fn on_complete(pooled: &mut Pooled, done: &Completion) -> Result<(), CallFailure> {
+    fn on_complete(pooled: &mut Pooled<Admission>, done: &Completion) -> Result<(), CallFailure> {
         // SAFETY: checked by `type_check` when the instance was made.
         let on_complete = unsafe { OnCompleteFn::new_unchecked(pooled.funcs[2]) };
         on_complete.call(&mut pooled.store, (done.into(),))?;
@@ -240,7 +249,7 @@ impl PluginKind for Admission {
         Ok(())
     }
 
-    fn smoke(pooled: &mut Pooled) -> Result<(), CallFailure> {
+    fn smoke(pooled: &mut Pooled<Admission>) -> Result<(), CallFailure> {
         let saturation = FleetSaturation {
             healthy_workers: 4,
             active_requests: 8,
@@ -308,14 +317,14 @@ type HintsFn = TypedFunc<(abi::RequestView,), (abi::CacheHints,)>;
 type ScoreFn<'a> = TypedFunc<(abi::EvictionCandidates<'a>,), (Vec<f32>,)>;
 
 impl Cache {
-    fn hints(pooled: &mut Pooled, request: &RequestView) -> Result<CacheHints, CallFailure> {
+    fn hints(pooled: &mut Pooled<Cache>, request: &RequestView) -> Result<CacheHints, CallFailure> {
         // SAFETY: checked by `type_check` when the instance was made.
         let hints = unsafe { HintsFn::new_unchecked(pooled.funcs[1]) };
         Ok(hints.call(&mut pooled.store, (request.into(),))?.0.into())
     }
 
     fn score_eviction(
-        pooled: &mut Pooled,
+        pooled: &mut Pooled<Cache>,
         candidates: &EvictionCandidates,
     ) -> Result<Vec<f32>, CallFailure> {
         // SAFETY: checked by `type_check` when the instance was made; lifetimes
@@ -347,7 +356,7 @@ impl PluginKind for Cache {
         Ok(())
     }
 
-    fn smoke(pooled: &mut Pooled) -> Result<(), CallFailure> {
+    fn smoke(pooled: &mut Pooled<Cache>) -> Result<(), CallFailure> {
         Cache::hints(pooled, &smoke_request())?;
         let candidates = EvictionCandidates {
             age_ms: vec![10, 2000, 50, 0],

@@ -47,9 +47,9 @@ impl Default for HostConfig {
             call_cpu_budget: Duration::from_millis(1),
             init_cpu_budget: Duration::from_millis(100),
             max_call_wall: Duration::from_secs(1),
-            max_memory_bytes: 64 << 20,
-            max_idle_instances: 16,
-            max_instances: 256,
+            max_memory_bytes: 32 << 20,
+            max_idle_instances: 64,
+            max_instances: 128,
             log_lines_per_sec: 20.0,
             max_log_line_bytes: 512,
         }
@@ -131,8 +131,13 @@ impl Drop for Runtime {
     }
 }
 
-/// Defines `sluice:policy/host`: log, counter-add, histogram-record, now-ns.
+/// The types-only interface every plugin imports for its records.
+pub const TYPES_INTERFACE: &str = "sluice:policy/types@0.1.0";
+
+/// Defines `sluice:policy/host` (log, counter-add, histogram-record, now-ns) and
+/// the types-only `sluice:policy/types`.
 fn link_host_imports(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
+    linker.instance(TYPES_INTERFACE)?;
     let mut host = linker.instance(HOST_INTERFACE)?;
     host.func_wrap(
         "log",

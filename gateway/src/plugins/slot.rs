@@ -15,7 +15,7 @@ use arc_swap::ArcSwapOption;
 use wasmtime::component::{Component, ComponentExportIndex};
 
 use super::generation::{CallFailure, Generation};
-use super::host_state::{PluginIdentity, SlotShared};
+use super::host_state::{DeniedImport, HostState, PluginIdentity, SlotShared};
 use super::kind::PluginKind;
 use super::runtime::Runtime;
 
@@ -237,11 +237,10 @@ impl<K: PluginKind> Slot<K> {
             })
             .collect::<Result<_, _>>()?;
 
-        // Everything not defined by the host (the wasi:* imports std pulls in,
-        // type-only instances) traps if called.
+        // The wasi:* imports that std pulls in are linked to a denial; the
+        // sluice:policy imports resolve (by semver) to the host's 0.1.0.
         let mut linker = self.runtime.linker.clone();
-        linker
-            .define_unknown_imports_as_traps(&component)
+        deny_wasi_imports(&mut linker, &component, engine)
             .map_err(|e| link_error(format!("{e:#}")))?;
         let instance_pre = linker
             .instantiate_pre(&component)
@@ -267,7 +266,7 @@ impl<K: PluginKind> Slot<K> {
             reason: failure_text(f),
         };
         let mut probe = generation.instantiate().map_err(init_error)?;
-        probe.arm(self.runtime.config.init_cpu_budget);
+        probe.arm(self.runtime.config.init_cpu_budget, Instant::now());
         K::smoke(&mut probe).map_err(|f| LoadError::Smoke {
             plugin: plugin.clone(),
             digest: digest.clone(),
@@ -285,12 +284,20 @@ impl<K: PluginKind> Slot<K> {
     pub fn activate(&self, generation: Arc<Generation<K>>) -> PluginIdentity {
         let _guard = self.swapping.lock().unwrap_or_else(|e| e.into_inner());
         let identity = (*generation.identity).clone();
-        let old = self.current.swap(Some(generation));
-        if let Some(old) = &old {
-            old.retire();
-        }
+        // It may have been active before (a kept `prepare`d version).
+        generation.reinstate();
+        let old = self.current.swap(Some(generation.clone()));
         let mut previous = self.previous.lock().unwrap_or_else(|e| e.into_inner());
-        *previous = old;
+        match old {
+            // Activating the active version changes nothing.
+            Some(old) if Arc::ptr_eq(&old, &generation) => {}
+            old => {
+                if let Some(old) = &old {
+                    old.retire();
+                }
+                *previous = old;
+            }
+        }
         tracing::info!(slot = K::INTERFACE, plugin = %identity.name, version = identity.version, digest = %identity.digest, "plugin activated");
         identity
     }
@@ -355,6 +362,42 @@ impl<K: PluginKind> Slot<K> {
             counters: self.shared.metrics.counters(),
         }
     }
+}
+
+/// Links every function of every `wasi:*` import to a [`DeniedImport`] error
+/// (and its resources to placeholders), so that a Rust guest whose std imports
+/// WASI instantiates, and any real use of WASI fails the call.
+fn deny_wasi_imports(
+    linker: &mut wasmtime::component::Linker<HostState>,
+    component: &Component,
+    engine: &wasmtime::Engine,
+) -> wasmtime::Result<()> {
+    use wasmtime::component::ResourceType;
+    use wasmtime::component::types::ComponentItem;
+    for (name, item) in component.component_type().imports(engine) {
+        if !name.starts_with("wasi:") {
+            continue;
+        }
+        let ComponentItem::ComponentInstance(instance) = item.ty else {
+            continue;
+        };
+        let mut stubs = linker.instance(name)?;
+        for (item_name, item) in instance.exports(engine) {
+            match item.ty {
+                ComponentItem::ComponentFunc(_) => {
+                    let full = format!("{name}#{item_name}");
+                    stubs.func_new(item_name, move |_, _, _, _| {
+                        Err(wasmtime::Error::new(DeniedImport(full.clone())))
+                    })?;
+                }
+                ComponentItem::Resource(_) => {
+                    stubs.resource(item_name, ResourceType::host::<()>(), |_, _| Ok(()))?;
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(())
 }
 
 enum ImportProblem {

@@ -19,17 +19,22 @@ pub enum ErrorClass {
     /// The guest answered something the host refuses (index out of range,
     /// a bad rejection status, an over-long message, wrong list length).
     Invalid,
-    /// No instance could be made for the call (instance pool exhausted, ...).
+    /// No instance could be made for the call (instance pool exhausted, `init`
+    /// failed or ran out of time or memory).
     Instantiate,
+    /// Not called: the version failed several calls in a row and is benched for
+    /// a short while (10 ms, doubling, at most 1 s).
+    Benched,
 }
 
 impl ErrorClass {
-    pub const ALL: [ErrorClass; 5] = [
+    pub const ALL: [ErrorClass; 6] = [
         ErrorClass::Trap,
         ErrorClass::Timeout,
         ErrorClass::Memory,
         ErrorClass::Invalid,
         ErrorClass::Instantiate,
+        ErrorClass::Benched,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -39,6 +44,7 @@ impl ErrorClass {
             ErrorClass::Memory => "memory",
             ErrorClass::Invalid => "invalid",
             ErrorClass::Instantiate => "instantiate",
+            ErrorClass::Benched => "benched",
         }
     }
 }

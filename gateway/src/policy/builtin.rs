@@ -75,13 +75,30 @@ impl AdmissionPolicy for AdmitAll {
     fn on_complete(&self, _done: &Completion) {}
 }
 
-/// Shared cache, no TTL, plain LRU eviction (the score is the age).
+/// Tenants isolated (a salt per tenant; anonymous requests share), no TTL,
+/// plain LRU eviction (the score is the age). Isolation is the default so that
+/// a failing cache plugin never opens one tenant's prefixes to another.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LruCache;
 
+/// A per-tenant cache salt, never 0 (0 means shared).
+pub fn tenant_salt(tenant_id: u32) -> u64 {
+    let mut z = u64::from(tenant_id).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    (z ^ (z >> 31)).max(1)
+}
+
 impl CachePolicy for LruCache {
-    fn hints(&self, _request: &RequestView) -> CacheHints {
-        CacheHints::default()
+    fn hints(&self, request: &RequestView) -> CacheHints {
+        CacheHints {
+            salt: if request.tenant_id == 0 {
+                0
+            } else {
+                tenant_salt(request.tenant_id)
+            },
+            ..CacheHints::default()
+        }
     }
 
     fn score_eviction(&self, candidates: &EvictionCandidates) -> Vec<f32> {
@@ -171,6 +188,16 @@ mod tests {
             KvAwareRouter::default().route(&request(4), &f),
             RouteDecision::Worker(1)
         );
+    }
+
+    #[test]
+    fn the_default_cache_policy_isolates_tenants() {
+        let mut r = request(4);
+        assert_eq!(LruCache.hints(&r).salt, 0, "anonymous requests share");
+        r.tenant_id = 1;
+        let one = LruCache.hints(&r).salt;
+        r.tenant_id = 2;
+        assert!(one != 0 && one != LruCache.hints(&r).salt);
     }
 
     #[test]

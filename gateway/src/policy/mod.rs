@@ -7,7 +7,7 @@
 mod builtin;
 mod view;
 
-pub use builtin::{AdmitAll, KvAwareRouter, LruCache};
+pub use builtin::{AdmitAll, KvAwareRouter, LruCache, tenant_salt};
 pub use view::{
     AdmitDecision, CacheHints, Completion, EvictionCandidates, FleetSaturation, FleetView, Hop,
     Outcome, Rejection, RequestView, RouteDecision, WorkerLoad, WorkerState,

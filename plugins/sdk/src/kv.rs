@@ -37,8 +37,15 @@ pub fn cheapest(request: &RequestView, fleet: &FleetView, overlap_weight: f64) -
 
 /// Picks one of `costs` (index, cost) at random with probability proportional to
 /// `exp(-normalized_cost / temperature)`, costs normalized to 0..=1 as Dynamo
-/// does; `unit` is a uniform random number in [0, 1).
+/// does; `unit` is a uniform random number in [0, 1). A temperature of 0 or
+/// less (or NaN) picks the cheapest.
 pub fn softmax_pick(costs: &[(u32, f64)], temperature: f64, unit: f64) -> Option<u32> {
+    if temperature.is_nan() || temperature <= 0.0 {
+        return costs
+            .iter()
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|&(i, _)| i);
+    }
     let (min, max) = costs
         .iter()
         .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &(_, c)| {
@@ -96,5 +103,6 @@ mod tests {
         assert_eq!(softmax_pick(&costs, 100.0, 0.1), Some(0));
         assert_eq!(softmax_pick(&costs, 100.0, 0.9), Some(1));
         assert_eq!(softmax_pick(&[], 1.0, 0.5), None);
+        assert_eq!(softmax_pick(&[(4, 3.0), (5, 1.0)], 0.0, 0.99), Some(5));
     }
 }

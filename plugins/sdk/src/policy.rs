@@ -86,6 +86,12 @@ pub fn init<T: Default>(
     config: &str,
     configure: fn(&mut T, &str) -> Result<(), String>,
 ) -> Result<(), String> {
+    // A plugin has no stderr: send panic messages to the host's log instead,
+    // so operators see why a call trapped.
+    #[cfg(target_family = "wasm")]
+    std::panic::set_hook(Box::new(|info| {
+        crate::host::log(crate::Level::Error, &format!("plugin panicked: {info}"));
+    }));
     let mut policy = T::default();
     configure(&mut policy, config)?;
     *state.borrow_mut() = Some(policy);

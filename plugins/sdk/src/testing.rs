@@ -157,6 +157,10 @@ impl<T: CachePolicy> CachePolicyHarness<T> {
             candidates.age_ms.len(),
             "the host would refuse this answer: one score per candidate"
         );
+        assert!(
+            !scores.iter().any(|s| s.is_nan()),
+            "the host would refuse this answer: a score is NaN ({scores:?})"
+        );
         scores
     }
 }
@@ -184,8 +188,13 @@ pub mod native_host {
         RECORDER.with(|r| r.borrow_mut().logs.push((level, message.to_string())))
     }
 
+    /// Saturates, as the host does.
     pub fn counter_add(name: &str, delta: u64) {
-        RECORDER.with(|r| *r.borrow_mut().counters.entry(name.to_string()).or_default() += delta)
+        RECORDER.with(|r| {
+            let mut r = r.borrow_mut();
+            let c = r.counters.entry(name.to_string()).or_default();
+            *c = c.saturating_add(delta);
+        })
     }
 
     pub fn histogram_record(name: &str, value: f64) {
