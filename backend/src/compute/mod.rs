@@ -1,0 +1,4 @@
+//! Compute kernels. `cpu` is the reference: plain f32, threaded with rayon, exact
+//! enough to check other backends against.
+
+pub mod cpu;

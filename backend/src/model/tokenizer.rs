@@ -1,0 +1,203 @@
+//! The tokenizer and chat template stored in a GGUF file, built with the
+//! `tokenizers` crate (byte-level BPE; SmolLM2's pre-tokenizer splits digits one
+//! by one) and rendered with minijinja.
+
+use tokenizers::models::bpe::{BPE, Vocab};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::{AddedToken, PreTokenizerWrapper};
+
+use super::gguf::{Gguf, GgufError};
+
+/// Why a tokenizer or template could not be built or used.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("tokenizer model `{0}` is not supported (gpt2 byte-level BPE is)")]
+    Model(String),
+    #[error("tokenizer: {0}")]
+    Build(String),
+    #[error("chat template: {0}")]
+    Template(String),
+}
+
+/// A chat message for the template.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// A model's tokenizer, special tokens and chat template.
+#[derive(Debug)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    pub bos: Option<u32>,
+    pub eos: u32,
+    /// Token ids that end generation (eos, and `<|im_end|>`-style control tokens).
+    pub stop_ids: Vec<u32>,
+    /// Adds bos before a prompt.
+    pub add_bos: bool,
+    chat_template: Option<String>,
+    bos_text: String,
+    eos_text: String,
+}
+
+/// ggml token type of control tokens (`<|im_start|>`, ...).
+const TOKEN_TYPE_CONTROL: u64 = 3;
+
+impl Tokenizer {
+    pub fn from_gguf(g: &Gguf) -> Result<Tokenizer, TokenizerError> {
+        let model = g.get_str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(TokenizerError::Model(model.into()));
+        }
+        let strings = |key: &str| -> Result<Vec<String>, TokenizerError> {
+            let values = g.get(key)?.as_array().ok_or_else(|| GgufError::Metadata {
+                key: key.into(),
+                reason: "not an array".into(),
+            })?;
+            Ok(values
+                .iter()
+                .map(|v| v.as_str().unwrap_or_default().to_string())
+                .collect())
+        };
+        let tokens = strings("tokenizer.ggml.tokens")?;
+        let merges: Vec<(String, String)> = strings("tokenizer.ggml.merges")?
+            .iter()
+            .filter_map(|m| m.split_once(' '))
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect();
+        let types: Vec<u64> = g
+            .get("tokenizer.ggml.token_type")
+            .ok()
+            .and_then(|v| v.as_array())
+            .map(|a| a.iter().map(|t| t.as_u64().unwrap_or(1)).collect())
+            .unwrap_or_default();
+        let vocab: Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(|e| TokenizerError::Build(e.to_string()))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        let pre = g.get_str("tokenizer.ggml.pre").unwrap_or("default");
+        let byte_level: PreTokenizerWrapper = ByteLevel::new(false, true, true).into();
+        let pre_tokenizer: PreTokenizerWrapper = match pre {
+            // SmolLM2 (and other "smollm"/"starcoder"-style vocabularies) split
+            // every digit on its own before the GPT-2 split.
+            "smollm" | "starcoder" | "refact" => {
+                Sequence::new(vec![Digits::new(true).into(), byte_level]).into()
+            }
+            _ => byte_level,
+        };
+        inner.with_pre_tokenizer(Some(pre_tokenizer));
+        inner.with_decoder(Some(ByteLevel::default()));
+        let control: Vec<AddedToken> = tokens
+            .iter()
+            .zip(&types)
+            .filter(|(_, t)| **t == TOKEN_TYPE_CONTROL)
+            .map(|(s, _)| AddedToken::from(s.clone(), true))
+            .collect();
+        inner.add_special_tokens(&control);
+
+        let id = |key: &str| g.get_u64(key).ok().map(|v| v as u32);
+        let eos = id("tokenizer.ggml.eos_token_id")
+            .ok_or_else(|| TokenizerError::Build("no eos token id".into()))?;
+        let bos = id("tokenizer.ggml.bos_token_id");
+        let text_of = |i: Option<u32>| {
+            i.and_then(|i| tokens.get(i as usize).cloned())
+                .unwrap_or_default()
+        };
+        let mut stop_ids = vec![eos];
+        if let Some(end) = tokens
+            .iter()
+            .position(|t| t == "<|im_end|>" || t == "<|eot_id|>")
+        {
+            let end = end as u32;
+            if !stop_ids.contains(&end) {
+                stop_ids.push(end);
+            }
+        }
+        Ok(Tokenizer {
+            inner,
+            bos,
+            eos,
+            stop_ids,
+            add_bos: g
+                .get("tokenizer.ggml.add_bos_token")
+                .is_ok_and(|v| *v == super::gguf::Value::Bool(true)),
+            chat_template: g
+                .get_str("tokenizer.chat_template")
+                .ok()
+                .map(str::to_string),
+            bos_text: text_of(bos),
+            eos_text: text_of(Some(eos)),
+        })
+    }
+
+    /// Token ids of `text`; control tokens written in the text (`<|im_start|>`)
+    /// become their ids. Adds bos when the model asks for it.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let enc = self
+            .inner
+            .encode_fast(text, false)
+            .map_err(|e| TokenizerError::Build(e.to_string()))?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if let (true, Some(bos)) = (self.add_bos, self.bos) {
+            ids.push(bos);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// Text of `ids`, control tokens included when `skip_special` is false.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(|e| TokenizerError::Build(e.to_string()))
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Renders the chat template with `messages` (and the assistant's opening
+    /// when `add_generation_prompt`). Models without a template get ChatML.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
+        const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+        let source = self.chat_template.as_deref().unwrap_or(CHATML);
+        let mut env = minijinja::Environment::new();
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template("chat", source)
+            .map_err(|e| TokenizerError::Template(e.to_string()))?;
+        env.get_template("chat")
+            .and_then(|t| {
+                t.render(minijinja::context! {
+                    messages => messages,
+                    add_generation_prompt => add_generation_prompt,
+                    bos_token => &self.bos_text,
+                    eos_token => &self.eos_text,
+                })
+            })
+            .map_err(|e| TokenizerError::Template(e.to_string()))
+    }
+}

@@ -1,0 +1,193 @@
+//! The real model: SmolLM2-135M-Instruct from its GGUF (fetched by `make model`),
+//! tokenized, templated and run greedily on the CPU.
+
+use std::path::PathBuf;
+
+use sluice_backend::kv::KvStorage;
+use sluice_backend::model::{ChatMessage, Gguf, Llama, Logits, SeqChunk, Tokenizer};
+
+fn model_path() -> PathBuf {
+    std::env::var_os("SLUICE_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        })
+}
+
+fn load() -> (Llama, Tokenizer) {
+    let path = model_path();
+    let gguf = Gguf::open(&path)
+        .unwrap_or_else(|e| panic!("{e}. Fetch the model with `make model` (or set SLUICE_MODEL)"));
+    (
+        Llama::from_gguf(&gguf).unwrap(),
+        Tokenizer::from_gguf(&gguf).unwrap(),
+    )
+}
+
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Greedy decoding, one token at a time after a whole-prompt prefill.
+fn greedy(model: &Llama, prompt: &[u32], max_new: usize, stop: &[u32]) -> Vec<u32> {
+    let block_size = 16;
+    let blocks = (prompt.len() + max_new).div_ceil(block_size);
+    let mut kv = KvStorage::new(
+        model.config.n_layers,
+        blocks,
+        block_size,
+        model.config.kv_dim(),
+    );
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let mut logits = model.forward(
+        &mut kv,
+        &[SeqChunk {
+            tokens: prompt,
+            start: 0,
+            block_table: &table,
+            logits: Logits::Last,
+        }],
+    );
+    let mut out = Vec::new();
+    for _ in 0..max_new {
+        let next = argmax(&logits[0]);
+        if stop.contains(&next) {
+            break;
+        }
+        out.push(next);
+        let pos = prompt.len() + out.len() - 1;
+        logits = model.forward(
+            &mut kv,
+            &[SeqChunk {
+                tokens: &[next],
+                start: pos,
+                block_table: &table,
+                logits: Logits::Last,
+            }],
+        );
+    }
+    out
+}
+
+#[test]
+fn config_tokenizer_and_template_match_the_model_card() {
+    let (model, tok) = load();
+    let c = &model.config;
+    assert_eq!((c.n_layers, c.hidden, c.ffn), (30, 576, 1536));
+    assert_eq!(
+        (c.n_heads, c.n_kv_heads, c.head_dim, c.vocab),
+        (9, 3, 64, 49152)
+    );
+    assert_eq!((c.rope_theta, c.context), (100_000.0, 8192));
+    assert_eq!((tok.bos, tok.eos, tok.add_bos), (Some(1), 2, false));
+    // Digits are split one by one; control tokens are single ids.
+    let ids = tok.encode("<|im_start|>2024").unwrap();
+    assert_eq!(ids[0], 1);
+    assert_eq!(ids.len(), 5, "{ids:?}");
+    assert_eq!(tok.decode(&ids, false).unwrap(), "<|im_start|>2024");
+    let text = tok
+        .apply_chat_template(
+            &[ChatMessage {
+                role: "user".into(),
+                content: "Hi".into(),
+            }],
+            true,
+        )
+        .unwrap();
+    assert!(text.starts_with("<|im_start|>system\n"), "{text}");
+    assert!(
+        text.ends_with("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"),
+        "{text}"
+    );
+}
+
+#[test]
+fn greedy_answer_to_the_capital_of_france() {
+    let (model, tok) = load();
+    let prompt = tok
+        .apply_chat_template(
+            &[ChatMessage {
+                role: "user".into(),
+                content: "What is the capital of France?".into(),
+            }],
+            true,
+        )
+        .unwrap();
+    let ids = tok.encode(&prompt).unwrap();
+    let out = greedy(&model, &ids, 24, &tok.stop_ids);
+    assert_eq!(
+        tok.decode(&out, true).unwrap(),
+        "The capital of France is Paris."
+    );
+}
+
+#[test]
+fn chunked_prefill_and_batching_give_the_same_logits() {
+    let (model, tok) = load();
+    let ids = tok
+        .encode("The quick brown fox jumps over the lazy dog because")
+        .unwrap();
+    let (c, bs) = (&model.config, 4);
+    let blocks = ids.len().div_ceil(bs);
+    // One sequence, whole prompt at once.
+    let mut kv = KvStorage::new(c.n_layers, 2 * blocks, bs, c.kv_dim());
+    let t1: Vec<u32> = (0..blocks as u32).collect();
+    let whole = model.forward(
+        &mut kv,
+        &[SeqChunk {
+            tokens: &ids,
+            start: 0,
+            block_table: &t1,
+            logits: Logits::Last,
+        }],
+    );
+    // The same prompt in two chunks, the second batched with another sequence.
+    let t2: Vec<u32> = (blocks as u32..2 * blocks as u32).rev().collect();
+    let split = 5;
+    model.forward(
+        &mut kv,
+        &[SeqChunk {
+            tokens: &ids[..split],
+            start: 0,
+            block_table: &t2,
+            logits: Logits::None,
+        }],
+    );
+    // (The other sequence reuses the first table's blocks: `whole` is done.)
+    let other = [42u32, 43, 44];
+    let both = model.forward(
+        &mut kv,
+        &[
+            SeqChunk {
+                tokens: &other,
+                start: 0,
+                block_table: &t1,
+                logits: Logits::All,
+            },
+            SeqChunk {
+                tokens: &ids[split..],
+                start: split,
+                block_table: &t2,
+                logits: Logits::Last,
+            },
+        ],
+    );
+    assert_eq!(both[0].len(), 3 * c.vocab);
+    let max_diff = whole[0]
+        .iter()
+        .zip(&both[1])
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        max_diff < 1e-3,
+        "chunked + batched logits differ by {max_diff}"
+    );
+    assert_eq!(argmax(&whole[0]), argmax(&both[1]));
+}
