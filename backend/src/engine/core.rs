@@ -1,0 +1,559 @@
+//! The engine loop: continuous batching on one thread. Each step admits waiting
+//! requests while KV blocks and the step's token budget allow, feeds one token
+//! to every decoding sequence and a chunk of prompt to prefilling ones (chunked
+//! prefill), runs one forward pass over the whole batch, samples, and streams
+//! tokens back. When blocks run out, the youngest running sequence is preempted
+//! and later recomputed. A request whose receiver is dropped is cancelled.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::Instant;
+
+use tokio::sync::{broadcast, mpsc as tmpsc};
+
+use super::detok::Detokenizer;
+use super::sampling::Sampler;
+use super::types::{FinishReason, GenerateEvent, GenerateRequest, Load, TokenOut, Usage};
+use crate::kv::{BlockPool, KvEvent, KvStorage, PoolUsage, hash};
+use crate::model::{Llama, Logits, SeqChunk, Tokenizer};
+
+/// Sizes of the engine.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV blocks in the pool.
+    pub kv_blocks: u32,
+    /// Tokens one step may feed (decode tokens plus prefill chunks).
+    pub step_tokens: usize,
+    /// Sequences running at once.
+    pub max_running: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            kv_blocks: 512,
+            step_tokens: 256,
+            max_running: 16,
+        }
+    }
+}
+
+/// A KV event with the worker's sequence number (1, 2, ...; a gap means lost
+/// events, and the listener should resync from a snapshot).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NumberedKvEvent {
+    pub seq: u64,
+    #[serde(flatten)]
+    pub event: KvEvent,
+}
+
+enum Command {
+    Submit {
+        id: u64,
+        request: GenerateRequest,
+        out: tmpsc::UnboundedSender<GenerateEvent>,
+    },
+    Cancel(u64),
+}
+
+/// The handle the server holds: submit requests, read the load, follow events.
+#[derive(Debug)]
+pub struct Engine {
+    commands: Mutex<mpsc::Sender<Command>>,
+    load: Arc<Mutex<Load>>,
+    kv_events: broadcast::Sender<NumberedKvEvent>,
+    cached_hashes: Arc<Mutex<(u64, Vec<u64>)>>,
+    next_id: AtomicU64,
+    pub config: EngineConfig,
+    pub model: Arc<Llama>,
+    pub tokenizer: Arc<Tokenizer>,
+}
+
+impl Engine {
+    /// Starts the engine thread.
+    pub fn start(model: Arc<Llama>, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Engine {
+        let (tx, rx) = mpsc::channel();
+        let load = Arc::new(Mutex::new(Load::default()));
+        let (kv_events, _) = broadcast::channel(4096);
+        let cached_hashes = Arc::new(Mutex::new((0, Vec::new())));
+        let c = &model.config;
+        let core = Core {
+            pool: BlockPool::new(config.kv_blocks),
+            storage: KvStorage::new(
+                c.n_layers,
+                config.kv_blocks as usize,
+                config.block_size,
+                c.kv_dim(),
+            ),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            commands: rx,
+            load: load.clone(),
+            kv_events: kv_events.clone(),
+            cached_hashes: cached_hashes.clone(),
+            event_seq: 0,
+            model: model.clone(),
+            tokenizer: tokenizer.clone(),
+            config: config.clone(),
+            started: Instant::now(),
+        };
+        std::thread::Builder::new()
+            .name("sluice-engine".into())
+            .spawn(move || core.run())
+            .expect("spawn the engine thread");
+        Engine {
+            commands: Mutex::new(tx),
+            load,
+            kv_events,
+            cached_hashes,
+            next_id: AtomicU64::new(1),
+            config,
+            model,
+            tokenizer,
+        }
+    }
+
+    /// Queues a request; events arrive on the returned receiver. Dropping the
+    /// receiver cancels the request.
+    pub fn submit(
+        &self,
+        request: GenerateRequest,
+    ) -> (u64, tmpsc::UnboundedReceiver<GenerateEvent>) {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (out, rx) = tmpsc::unbounded_channel();
+        let commands = self.commands.lock().unwrap_or_else(|e| e.into_inner());
+        if commands
+            .send(Command::Submit {
+                id,
+                request,
+                out: out.clone(),
+            })
+            .is_err()
+        {
+            let _ = out.send(GenerateEvent::Error {
+                message: "the engine has stopped".into(),
+            });
+        }
+        (id, rx)
+    }
+
+    pub fn cancel(&self, id: u64) {
+        let commands = self.commands.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = commands.send(Command::Cancel(id));
+    }
+
+    pub fn load(&self) -> Load {
+        *self.load.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Follows KV events from now on.
+    pub fn subscribe_kv_events(&self) -> broadcast::Receiver<NumberedKvEvent> {
+        self.kv_events.subscribe()
+    }
+
+    /// (last event sequence number, every cached block hash): a snapshot to
+    /// resync from after a gap.
+    pub fn cached_snapshot(&self) -> (u64, Vec<u64>) {
+        self.cached_hashes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+/// One request inside the engine.
+struct Seq {
+    id: u64,
+    request: GenerateRequest,
+    out: tmpsc::UnboundedSender<GenerateEvent>,
+    /// Prompt followed by the generated tokens.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Tokens whose K and V are in the cache.
+    computed: usize,
+    blocks: Vec<u32>,
+    /// Sequence hashes of the full blocks of `tokens`, as far as known.
+    hashes: Vec<u64>,
+    /// Leading blocks registered in the prefix cache.
+    committed: usize,
+    sampler: Sampler,
+    detok: Detokenizer,
+    cached_tokens: u32,
+    started: bool,
+}
+
+impl Seq {
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Extends `hashes` to every full block of `tokens[..upto]`.
+    fn hash_blocks(&mut self, block_size: usize, upto: usize) {
+        while (self.hashes.len() + 1) * block_size <= upto {
+            let i = self.hashes.len();
+            let local = hash::local_hash(&self.tokens[i * block_size..(i + 1) * block_size]);
+            let parent = match i {
+                0 => (self.request.cache_salt != 0).then_some(self.request.cache_salt),
+                _ => Some(self.hashes[i - 1]),
+            };
+            self.hashes
+                .push(parent.map_or(local, |p| hash::chain(p, local)));
+        }
+    }
+
+    fn send(&self, event: GenerateEvent) -> bool {
+        self.out.send(event).is_ok()
+    }
+}
+
+struct Core {
+    pool: BlockPool,
+    storage: KvStorage,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    commands: mpsc::Receiver<Command>,
+    load: Arc<Mutex<Load>>,
+    kv_events: broadcast::Sender<NumberedKvEvent>,
+    cached_hashes: Arc<Mutex<(u64, Vec<u64>)>>,
+    event_seq: u64,
+    model: Arc<Llama>,
+    tokenizer: Arc<Tokenizer>,
+    config: EngineConfig,
+    started: Instant,
+}
+
+impl Core {
+    fn run(mut self) {
+        loop {
+            // Block only when idle; otherwise take what has arrived.
+            if self.waiting.is_empty() && self.running.is_empty() {
+                match self.commands.recv() {
+                    Ok(c) => self.command(c),
+                    Err(_) => return, // every handle is gone
+                }
+            }
+            loop {
+                match self.commands.try_recv() {
+                    Ok(c) => self.command(c),
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        if self.waiting.is_empty() && self.running.is_empty() {
+                            return;
+                        }
+                        break;
+                    }
+                }
+            }
+            self.step();
+            self.publish();
+        }
+    }
+
+    fn command(&mut self, command: Command) {
+        match command {
+            Command::Submit { id, request, out } => {
+                let c = &self.model.config;
+                let blocks_needed = (request.prompt.len() + 1).div_ceil(self.config.block_size);
+                let problem = if request.prompt.is_empty() {
+                    Some("the prompt is empty".to_string())
+                } else if request.prompt.len() >= c.context {
+                    Some(format!(
+                        "the prompt has {} tokens; this model's context is {}",
+                        request.prompt.len(),
+                        c.context
+                    ))
+                } else if blocks_needed > self.config.kv_blocks as usize {
+                    Some(format!(
+                        "the prompt needs {blocks_needed} KV blocks; this worker has {}",
+                        self.config.kv_blocks
+                    ))
+                } else if let Some(&bad) = request.prompt.iter().find(|&&t| t as usize >= c.vocab) {
+                    Some(format!(
+                        "token id {bad} is outside the vocabulary ({})",
+                        c.vocab
+                    ))
+                } else {
+                    request.sampling.validate().err()
+                };
+                if let Some(message) = problem {
+                    let _ = out.send(GenerateEvent::Error { message });
+                    return;
+                }
+                let seed = request
+                    .sampling
+                    .seed
+                    .unwrap_or(id.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                let mut stop_ids = request.stop_ids.clone();
+                if !request.ignore_eos {
+                    stop_ids.extend(&self.tokenizer.stop_ids);
+                }
+                let prompt_len = request.prompt.len();
+                let seq = Seq {
+                    id,
+                    tokens: request.prompt.clone(),
+                    prompt_len,
+                    computed: 0,
+                    blocks: Vec::new(),
+                    hashes: Vec::new(),
+                    committed: 0,
+                    sampler: Sampler::new(request.sampling.clone(), seed),
+                    detok: Detokenizer::new(request.stop_strings.clone()),
+                    cached_tokens: 0,
+                    started: false,
+                    request: GenerateRequest {
+                        stop_ids,
+                        ..request
+                    },
+                    out,
+                };
+                self.waiting.push_back(seq);
+            }
+            Command::Cancel(id) => {
+                if let Some(i) = self.running.iter().position(|s| s.id == id) {
+                    let seq = self.running.remove(i);
+                    self.finish(seq, FinishReason::Cancelled);
+                } else if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+                    let seq = self.waiting.remove(i).expect("index found");
+                    self.finish(seq, FinishReason::Cancelled);
+                }
+            }
+        }
+    }
+
+    /// Releases a sequence's blocks and sends its last event.
+    fn finish(&mut self, mut seq: Seq, reason: FinishReason) {
+        self.pool.release(&seq.blocks);
+        seq.blocks.clear();
+        let text = seq.detok.flush();
+        let usage = Usage {
+            prompt_tokens: seq.prompt_len as u32,
+            completion_tokens: seq.generated() as u32,
+            cached_tokens: seq.cached_tokens,
+        };
+        seq.send(GenerateEvent::Finished {
+            reason,
+            text,
+            usage,
+        });
+    }
+
+    /// Sends the youngest running sequence back to the front of the queue,
+    /// freeing its blocks; it is recomputed when it runs again.
+    fn preempt_youngest(&mut self) -> bool {
+        let Some(mut seq) = self.running.pop() else {
+            return false;
+        };
+        self.pool.release(&seq.blocks);
+        seq.blocks.clear();
+        seq.computed = 0;
+        seq.committed = 0;
+        self.waiting.push_front(seq);
+        true
+    }
+
+    /// Admits the front of the queue if its blocks can be had.
+    fn admit(&mut self) -> bool {
+        let bs = self.config.block_size;
+        let Some(seq) = self.waiting.front_mut() else {
+            return false;
+        };
+        seq.hash_blocks(bs, seq.tokens.len());
+        let n_blocks = seq.tokens.len().div_ceil(bs);
+        let Some(alloc) = self.pool.allocate(&seq.hashes, n_blocks) else {
+            return false;
+        };
+        let mut seq = self.waiting.pop_front().expect("front exists");
+        // At least the last token is fed, to get its logits.
+        seq.computed = (alloc.cached_blocks * bs).min(seq.tokens.len() - 1);
+        seq.committed = alloc.cached_blocks;
+        seq.blocks = alloc.blocks;
+        if !seq.started {
+            seq.started = true;
+            seq.cached_tokens = seq.computed as u32;
+            let ok = seq.send(GenerateEvent::Started {
+                prompt_tokens: seq.prompt_len as u32,
+                cached_tokens: seq.cached_tokens,
+            });
+            if !ok {
+                self.finish(seq, FinishReason::Cancelled);
+                return true;
+            }
+        }
+        self.running.push(seq);
+        true
+    }
+
+    fn step(&mut self) {
+        let bs = self.config.block_size;
+        self.pool
+            .set_now_ms(self.started.elapsed().as_millis() as u64);
+        // Requests whose client went away stop here.
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].out.is_closed() {
+                let seq = self.running.remove(i);
+                self.finish(seq, FinishReason::Cancelled);
+            } else {
+                i += 1;
+            }
+        }
+        self.waiting.retain(|s| !s.out.is_closed());
+
+        // Admit while there is room; running sequences come first.
+        while self.running.len() < self.config.max_running && self.admit() {}
+
+        // Plan: (running index, tokens to feed), within the step budget; make
+        // room for decode growth, preempting the youngest if blocks run out.
+        let mut budget = self.config.step_tokens;
+        let mut plan: Vec<(usize, usize)> = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let seq = &self.running[i];
+            let take = (seq.tokens.len() - seq.computed).min(budget);
+            let needed_blocks = (seq.computed + take).div_ceil(bs);
+            let mut preempted_self = false;
+            while self.running[i].blocks.len() < needed_blocks {
+                match self.pool.append() {
+                    Some(b) => self.running[i].blocks.push(b),
+                    None => {
+                        let last = self.running.len() - 1;
+                        self.preempt_youngest();
+                        if last == i {
+                            preempted_self = true;
+                            break;
+                        }
+                    }
+                }
+            }
+            if preempted_self {
+                break;
+            }
+            plan.push((i, take));
+            budget -= take;
+            i += 1;
+        }
+        if plan.is_empty() {
+            return;
+        }
+
+        let chunks: Vec<SeqChunk<'_>> = plan
+            .iter()
+            .map(|&(i, take)| {
+                let s = &self.running[i];
+                SeqChunk {
+                    tokens: &s.tokens[s.computed..s.computed + take],
+                    start: s.computed,
+                    block_table: &s.blocks,
+                    logits: if s.computed + take == s.tokens.len() {
+                        Logits::Last
+                    } else {
+                        Logits::None
+                    },
+                }
+            })
+            .collect();
+        let mut logits = self.model.forward(&mut self.storage, &chunks);
+
+        let mut done: Vec<(usize, FinishReason)> = Vec::new();
+        for (&(i, take), logits) in plan.iter().zip(logits.iter_mut()) {
+            let context = self.model.config.context;
+            let seq = &mut self.running[i];
+            seq.computed += take;
+            // Full blocks become reusable by later requests.
+            seq.hash_blocks(bs, seq.computed);
+            while seq.committed < seq.hashes.len() {
+                let k = seq.committed;
+                let parent = if k == 0 {
+                    None
+                } else {
+                    Some(seq.hashes[k - 1])
+                };
+                self.pool.commit(
+                    seq.blocks[k],
+                    seq.hashes[k],
+                    parent,
+                    seq.request.cache_priority,
+                    seq.request.tenant_id,
+                );
+                seq.committed += 1;
+            }
+            if logits.is_empty() {
+                continue; // a prefill chunk that is not the prompt's last
+            }
+            let sampled = seq.sampler.sample(logits);
+            let (text, stopped) = seq.detok.push(&self.tokenizer, sampled.token);
+            let is_stop_id = seq.request.stop_ids.contains(&sampled.token);
+            if !is_stop_id {
+                seq.tokens.push(sampled.token);
+                let top = sampled
+                    .top
+                    .iter()
+                    .map(|&(id, lp)| {
+                        (
+                            id,
+                            self.tokenizer.decode(&[id], false).unwrap_or_default(),
+                            lp,
+                        )
+                    })
+                    .collect();
+                let ok = seq.send(GenerateEvent::Token(TokenOut {
+                    id: sampled.token,
+                    text,
+                    logprob: sampled.logprob,
+                    top,
+                }));
+                if !ok {
+                    done.push((i, FinishReason::Cancelled));
+                    continue;
+                }
+            }
+            if is_stop_id || stopped {
+                done.push((i, FinishReason::Stop));
+            } else if seq.generated() >= seq.request.max_tokens as usize
+                || seq.tokens.len() >= context
+            {
+                done.push((i, FinishReason::Length));
+            }
+        }
+        // Remove finished sequences, highest index first.
+        done.sort_by(|a, b| b.0.cmp(&a.0));
+        for (i, reason) in done {
+            let seq = self.running.remove(i);
+            self.finish(seq, reason);
+        }
+    }
+
+    /// Publishes KV events and the load after a step.
+    fn publish(&mut self) {
+        let events = self.pool.drain_events();
+        if !events.is_empty() {
+            for event in events {
+                self.event_seq += 1;
+                let _ = self.kv_events.send(NumberedKvEvent {
+                    seq: self.event_seq,
+                    event,
+                });
+            }
+            *self.cached_hashes.lock().unwrap_or_else(|e| e.into_inner()) =
+                (self.event_seq, self.pool.cached_hashes());
+        }
+        let PoolUsage { used, total, .. } = self.pool.usage();
+        let queued: usize = self
+            .waiting
+            .iter()
+            .map(|s| s.tokens.len())
+            .chain(self.running.iter().map(|s| s.tokens.len() - s.computed))
+            .sum();
+        *self.load.lock().unwrap_or_else(|e| e.into_inner()) = Load {
+            active_requests: self.running.len() as u32,
+            waiting_requests: self.waiting.len() as u32,
+            queued_prefill_tokens: queued as u32,
+            kv_blocks_used: used,
+            kv_blocks_total: total,
+        };
+    }
+}
