@@ -6,3 +6,4 @@ pub mod compute;
 pub mod engine;
 pub mod kv;
 pub mod model;
+pub mod server;

@@ -1,14 +1,19 @@
-//! The `sluice` command: `sluice plugins check` loads a plugin component the way
-//! the gateway does and reports the verdict; `sluice bench plugins` measures the
-//! Wasm policy host. (`sluice serve` and `sluice worker` come with the gateway
-//! and the worker.)
+//! The `sluice` command: `sluice worker` serves a model with sluice's own engine;
+//! `sluice plugins check` loads a plugin component the way the gateway does and
+//! reports the verdict; `sluice bench plugins` measures the Wasm policy host.
+//! (`sluice serve`, the gateway, comes next.)
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
+use sluice_backend::engine::EngineConfig;
+use sluice_backend::server::{WorkerConfig, run_worker};
 use sluice_gateway::bench::{PluginBenchOptions, run_plugin_bench};
+
+/// Where `make model` puts SmolLM2-135M-Instruct.
+const DEFAULT_MODEL: &str = ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf";
 use sluice_gateway::plugins::{Admission, Cache, HostConfig, PluginKind, Router, Runtime, Slot};
 
 #[derive(Parser)]
@@ -24,6 +29,29 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve a model: the OpenAI API, the internal token API and the event stream.
+    Worker {
+        /// A GGUF model file [default: $SLUICE_MODEL, else the SmolLM2 that
+        /// `make model` fetches]
+        #[arg(long)]
+        model: Option<PathBuf>,
+        #[arg(long, default_value = "127.0.0.1")]
+        host: std::net::IpAddr,
+        #[arg(long, default_value_t = 8081)]
+        port: u16,
+        /// The model name clients send [default: the file name]
+        #[arg(long)]
+        served_model_name: Option<String>,
+        /// KV cache blocks (of 16 tokens).
+        #[arg(long, default_value_t = 512)]
+        kv_blocks: u32,
+        /// Sequences running at once.
+        #[arg(long, default_value_t = 16)]
+        max_running: usize,
+        /// Tokens per engine step (decode tokens plus prefill chunks).
+        #[arg(long, default_value_t = 256)]
+        step_tokens: usize,
+    },
     /// Work with policy plugin components.
     Plugins {
         #[command(subcommand)]
@@ -92,11 +120,36 @@ fn run() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
+        Command::Worker {
+            model,
+            host,
+            port,
+            served_model_name,
+            kv_blocks,
+            max_running,
+            step_tokens,
+        } => {
+            let model = model
+                .or_else(|| std::env::var_os("SLUICE_MODEL").map(PathBuf::from))
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL));
+            let config = WorkerConfig {
+                model,
+                addr: std::net::SocketAddr::new(host, port),
+                served_name: served_model_name,
+                engine: EngineConfig {
+                    kv_blocks,
+                    max_running,
+                    step_tokens,
+                    ..EngineConfig::default()
+                },
+            };
+            tokio::runtime::Runtime::new()?.block_on(run_worker(config))?;
+        }
         Command::Plugins {
             which: Plugins::Check { file, kind, config },
         } => match kind {

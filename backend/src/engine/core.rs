@@ -520,7 +520,7 @@ impl Core {
             }
         }
         // Remove finished sequences, highest index first.
-        done.sort_by(|a, b| b.0.cmp(&a.0));
+        done.sort_by_key(|d| std::cmp::Reverse(d.0));
         for (i, reason) in done {
             let seq = self.running.remove(i);
             self.finish(seq, reason);

@@ -2,23 +2,31 @@
 
 use super::sampling::SamplingParams;
 
-/// One generation request, already tokenized.
-#[derive(Clone, Debug)]
+/// One generation request, already tokenized (also the JSON body of the
+/// worker's `/internal/generate`; only `prompt` and `max_tokens` are required).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct GenerateRequest {
     pub prompt: Vec<u32>,
+    #[serde(default)]
     pub sampling: SamplingParams,
     /// The most tokens to generate.
     pub max_tokens: u32,
     /// Token ids that end generation (the model's end tokens are added).
+    #[serde(default)]
     pub stop_ids: Vec<u32>,
     /// Strings that end generation; the text ends before them.
+    #[serde(default)]
     pub stop_strings: Vec<String>,
     /// Keeps generating past end tokens (benchmarks).
+    #[serde(default)]
     pub ignore_eos: bool,
     /// Mixed into the first block hash (tenant isolation); 0 = shared.
+    #[serde(default)]
     pub cache_salt: u64,
     /// Retention priority of the prompt's cached blocks.
+    #[serde(default)]
     pub cache_priority: u8,
+    #[serde(default)]
     pub tenant_id: u32,
 }
 

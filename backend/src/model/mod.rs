@@ -9,3 +9,44 @@ pub use config::LlamaConfig;
 pub use gguf::{Gguf, GgufError};
 pub use llama::{Llama, Logits, SeqChunk};
 pub use tokenizer::{ChatMessage, Tokenizer, TokenizerError};
+
+use std::path::Path;
+
+/// A model ready to serve: weights, tokenizer, and the name clients use.
+#[derive(Debug)]
+pub struct LoadedModel {
+    pub llama: Llama,
+    pub tokenizer: Tokenizer,
+    pub name: String,
+}
+
+/// Why a model could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+}
+
+/// Loads a GGUF model file. The name is the file's stem without a quantization
+/// suffix (`SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`).
+pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
+    let gguf = Gguf::open(path)?;
+    let llama = Llama::from_gguf(&gguf)?;
+    let tokenizer = Tokenizer::from_gguf(&gguf)?;
+    let stem = path
+        .file_stem()
+        .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
+    let name = match stem.rsplit_once('.') {
+        Some((base, quant)) if quant.starts_with(['Q', 'q', 'F', 'f', 'B', 'b']) => {
+            base.to_string()
+        }
+        _ => stem,
+    };
+    Ok(LoadedModel {
+        llama,
+        tokenizer,
+        name,
+    })
+}

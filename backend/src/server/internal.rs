@@ -1,0 +1,152 @@
+//! The worker's own endpoints: the token-level generate endpoint the gateway
+//! calls (token ids in, one JSON event per line out), the KV event and load
+//! stream (SSE), a KV snapshot for resyncs, `/health` and `/metrics`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use axum::Json;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::header;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::{BroadcastStream, IntervalStream, UnboundedReceiverStream};
+
+use super::WorkerState;
+use super::error::ApiError;
+use super::openai::parse;
+use crate::engine::{GenerateEvent, GenerateRequest};
+
+/// `POST /internal/generate`: a [`GenerateRequest`] as JSON (token ids, sampling,
+/// stops, cache salt); answers `application/x-ndjson`, one [`GenerateEvent`] per
+/// line, ending with `finished` or `error`.
+pub async fn generate(
+    State(state): State<Arc<WorkerState>>,
+    body: axum::body::Bytes,
+) -> Result<Response, ApiError> {
+    let request: GenerateRequest = parse(&body)?;
+    state.metrics.requests.fetch_add(1, Ordering::Relaxed);
+    let (_, rx) = state.engine.submit(request);
+    let metrics_state = state.clone();
+    let lines = UnboundedReceiverStream::new(rx).map(move |event| {
+        if let GenerateEvent::Finished { usage, .. } = &event {
+            metrics_state.metrics.record(usage);
+        }
+        let mut line = serde_json::to_vec(&event).unwrap_or_default();
+        line.push(b'\n');
+        Ok::<_, Infallible>(line)
+    });
+    Ok((
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(lines),
+    )
+        .into_response())
+}
+
+/// `GET /events`: SSE. `kv` events carry the worker's KV events with their
+/// sequence numbers; a `load` event comes every 250 ms; a `lagged` event says
+/// events were dropped for this listener (resync from `/internal/kv`).
+pub async fn events(
+    State(state): State<Arc<WorkerState>>,
+) -> Sse<impl tokio_stream::Stream<Item = Result<Event, Infallible>>> {
+    let kv = BroadcastStream::new(state.engine.subscribe_kv_events()).map(|e| match e {
+        Ok(e) => Event::default()
+            .event("kv")
+            .json_data(e)
+            .unwrap_or_default(),
+        Err(tokio_stream::wrappers::errors::BroadcastStreamRecvError::Lagged(n)) => {
+            Event::default().event("lagged").data(n.to_string())
+        }
+    });
+    let load_state = state.clone();
+    let load =
+        IntervalStream::new(tokio::time::interval(Duration::from_millis(250))).map(move |_| {
+            Event::default()
+                .event("load")
+                .json_data(load_state.engine.load())
+                .unwrap_or_default()
+        });
+    Sse::new(kv.merge(load).map(Ok)).keep_alive(KeepAlive::default())
+}
+
+/// `GET /internal/kv`: `{"seq": last event number, "hashes": [...]}`.
+pub async fn kv_snapshot(State(state): State<Arc<WorkerState>>) -> Json<serde_json::Value> {
+    let (seq, hashes) = state.engine.cached_snapshot();
+    Json(json!({"seq": seq, "hashes": hashes, "block_size": state.engine.config.block_size}))
+}
+
+pub async fn health(State(state): State<Arc<WorkerState>>) -> Json<serde_json::Value> {
+    Json(json!({"status": "ok", "model": state.model_name, "load": state.engine.load()}))
+}
+
+/// `GET /metrics`: Prometheus text format.
+pub async fn metrics(State(state): State<Arc<WorkerState>>) -> Response {
+    let m = &state.metrics;
+    let load = state.engine.load();
+    let mut out = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, value: u64| {
+        out.push_str(&format!(
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
+        ));
+    };
+    metric(
+        "sluice_worker_requests_total",
+        "counter",
+        "Generation requests received.",
+        m.requests.load(Ordering::Relaxed),
+    );
+    metric(
+        "sluice_worker_prompt_tokens_total",
+        "counter",
+        "Prompt tokens of finished requests.",
+        m.prompt_tokens.load(Ordering::Relaxed),
+    );
+    metric(
+        "sluice_worker_cached_prompt_tokens_total",
+        "counter",
+        "Prompt tokens served from the prefix cache.",
+        m.cached_prompt_tokens.load(Ordering::Relaxed),
+    );
+    metric(
+        "sluice_worker_completion_tokens_total",
+        "counter",
+        "Generated tokens of finished requests.",
+        m.completion_tokens.load(Ordering::Relaxed),
+    );
+    metric(
+        "sluice_worker_active_requests",
+        "gauge",
+        "Requests running now.",
+        load.active_requests.into(),
+    );
+    metric(
+        "sluice_worker_waiting_requests",
+        "gauge",
+        "Requests waiting for KV blocks.",
+        load.waiting_requests.into(),
+    );
+    metric(
+        "sluice_worker_queued_prefill_tokens",
+        "gauge",
+        "Prompt tokens waiting for prefill.",
+        load.queued_prefill_tokens.into(),
+    );
+    metric(
+        "sluice_worker_kv_blocks_used",
+        "gauge",
+        "KV blocks held by running requests.",
+        load.kv_blocks_used.into(),
+    );
+    metric(
+        "sluice_worker_kv_blocks_total",
+        "gauge",
+        "KV blocks in the pool.",
+        load.kv_blocks_total.into(),
+    );
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}

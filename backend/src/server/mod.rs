@@ -1,0 +1,163 @@
+//! The worker's HTTP API (axum on hyper): the OpenAI endpoints (`openai`), the
+//! internal token-level endpoint the gateway uses, the event stream (KV events
+//! and load), `/health` and `/metrics`.
+
+mod error;
+mod internal;
+mod openai;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+
+pub use error::ApiError;
+
+use crate::engine::{Engine, Usage};
+
+/// The largest request body accepted, in bytes.
+pub const MAX_BODY_BYTES: usize = 8 << 20;
+
+/// Counters for `/metrics`.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    pub requests: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub cached_prompt_tokens: AtomicU64,
+    pub completion_tokens: AtomicU64,
+}
+
+impl Metrics {
+    pub fn record(&self, u: &Usage) {
+        self.prompt_tokens
+            .fetch_add(u.prompt_tokens.into(), Ordering::Relaxed);
+        self.cached_prompt_tokens
+            .fetch_add(u.cached_tokens.into(), Ordering::Relaxed);
+        self.completion_tokens
+            .fetch_add(u.completion_tokens.into(), Ordering::Relaxed);
+    }
+}
+
+/// What every handler shares.
+#[derive(Debug)]
+pub struct WorkerState {
+    pub engine: Arc<Engine>,
+    /// The name clients use in `model`.
+    pub model_name: String,
+    /// A per-process tag for response ids.
+    pub instance: String,
+    pub started_unix: u64,
+    pub metrics: Metrics,
+}
+
+impl WorkerState {
+    pub fn new(engine: Arc<Engine>, model_name: String) -> Self {
+        let started_unix = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        Self {
+            engine,
+            model_name,
+            instance: format!("{:x}", started_unix ^ u64::from(std::process::id())),
+            started_unix,
+            metrics: Metrics::default(),
+        }
+    }
+}
+
+/// The worker's routes.
+pub fn router(state: Arc<WorkerState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/models", get(openai::models))
+        .route("/internal/generate", post(internal::generate))
+        .route("/internal/kv", get(internal::kv_snapshot))
+        .route("/events", get(internal::events))
+        .route("/health", get(internal::health))
+        .route("/metrics", get(internal::metrics))
+        .fallback(|| async {
+            ApiError {
+                status: axum::http::StatusCode::NOT_FOUND,
+                message: "no such endpoint".into(),
+                param: None,
+            }
+        })
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+/// Serves until the listener fails; every accepted socket gets TCP_NODELAY.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<WorkerState>,
+) -> std::io::Result<()> {
+    let addr: SocketAddr = listener.local_addr()?;
+    tracing::info!(%addr, model = %state.model_name, "worker listening");
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!(error = %e, "cannot set TCP_NODELAY");
+        }
+    });
+    axum::serve(listener, router(state)).await
+}
+
+/// How `sluice worker` runs.
+#[derive(Clone, Debug)]
+pub struct WorkerConfig {
+    pub model: std::path::PathBuf,
+    pub addr: SocketAddr,
+    pub served_name: Option<String>,
+    pub engine: crate::engine::EngineConfig,
+}
+
+/// Why a worker could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("cannot load the model {path}: {source}")]
+    Model {
+        path: String,
+        source: crate::model::LoadError,
+    },
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("the server failed: {0}")]
+    Serve(std::io::Error),
+}
+
+/// Loads the model, starts the engine and serves until the process ends.
+pub async fn run_worker(config: WorkerConfig) -> Result<(), WorkerError> {
+    let started = std::time::Instant::now();
+    let loaded = crate::model::load(&config.model).map_err(|source| WorkerError::Model {
+        path: config.model.display().to_string(),
+        source,
+    })?;
+    tracing::info!(
+        model = %loaded.name,
+        layers = loaded.llama.config.n_layers,
+        load_ms = started.elapsed().as_millis() as u64,
+        "model loaded"
+    );
+    let name = config.served_name.clone().unwrap_or(loaded.name);
+    let engine = Engine::start(
+        Arc::new(loaded.llama),
+        Arc::new(loaded.tokenizer),
+        config.engine,
+    );
+    let state = Arc::new(WorkerState::new(Arc::new(engine), name));
+    let listener = tokio::net::TcpListener::bind(config.addr)
+        .await
+        .map_err(|source| WorkerError::Listen {
+            addr: config.addr,
+            source,
+        })?;
+    serve(listener, state).await.map_err(WorkerError::Serve)
+}
