@@ -43,9 +43,10 @@ plugins: toolchain
 build: toolchain
 	$(CARGO) build --locked --release -p sluice-gateway
 
-## run: sluice's main job (until the gateway lands: the plugin host benchmark)
+## run: sluice's main job. Until the gateway lands: a worker serving the real
+## model on 127.0.0.1:8081 with sluice's own engine (OpenAI API).
 run: setup
-	$(SLUICE) bench plugins --plugins-dir $(PLUGINS_OUT)
+	$(SLUICE) worker --model $(MODEL) --port 8081
 
 ## test: formatting, lints, and every test (host tests run with optimizations:
 ## plugin call deadlines are CPU time, and an unoptimized host is 20x slower)

@@ -373,7 +373,7 @@ pub fn dequantize(ty: TensorType, bytes: &[u8]) -> Vec<f32> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// A GGUF v3 file with the given metadata and tensors, as a writer would make it.

@@ -56,58 +56,160 @@ pub struct SeqChunk<'a> {
     pub logits: Logits,
 }
 
-/// A weight of shape `rows x cols` from the GGUF (dims `[cols, rows]`).
-fn matrix(g: &Gguf, name: &str, rows: usize, cols: usize) -> Result<Matrix, GgufError> {
-    let (data, dims) = g.tensor_f32(name)?;
-    if dims != [cols as u64, rows as u64] {
-        return Err(GgufError::Tensor {
-            name: name.into(),
-            reason: format!("dims {dims:?}, expected [{cols}, {rows}]"),
-        });
+/// Where a loader finds weights: tensors by name, as f32 in row-major order with
+/// their shape outermost first (`[rows, cols]`, or `[len]`).
+pub trait TensorSource {
+    fn tensor(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>), String>;
+    fn has(&self, name: &str) -> bool;
+}
+
+impl TensorSource for Gguf {
+    fn tensor(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>), String> {
+        let (data, dims) = self.tensor_f32(name).map_err(|e| e.to_string())?;
+        // GGUF lists dimensions innermost first.
+        Ok((data, dims.iter().rev().map(|&d| d as usize).collect()))
+    }
+    fn has(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+}
+
+/// Tensor names of one file layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Naming {
+    /// llama.cpp's GGUF names (`blk.N.attn_q.weight`); Q and K rows already in
+    /// adjacent-pair RoPE order.
+    Gguf,
+    /// Hugging Face names (`model.layers.N.self_attn.q_proj.weight`); Q and K rows
+    /// in rotate-half order, reordered at load.
+    HuggingFace,
+}
+
+impl Naming {
+    fn embed(self) -> &'static str {
+        match self {
+            Naming::Gguf => "token_embd.weight",
+            Naming::HuggingFace => "model.embed_tokens.weight",
+        }
+    }
+    fn norm(self) -> &'static str {
+        match self {
+            Naming::Gguf => "output_norm.weight",
+            Naming::HuggingFace => "model.norm.weight",
+        }
+    }
+    fn head(self) -> &'static str {
+        match self {
+            Naming::Gguf => "output.weight",
+            Naming::HuggingFace => "lm_head.weight",
+        }
+    }
+    /// A layer tensor: `part` is the GGUF short name.
+    fn layer(self, i: usize, part: &str) -> String {
+        match self {
+            Naming::Gguf => format!("blk.{i}.{part}.weight"),
+            Naming::HuggingFace => {
+                let hf = match part {
+                    "attn_norm" => "input_layernorm",
+                    "attn_q" => "self_attn.q_proj",
+                    "attn_k" => "self_attn.k_proj",
+                    "attn_v" => "self_attn.v_proj",
+                    "attn_output" => "self_attn.o_proj",
+                    "ffn_norm" => "post_attention_layernorm",
+                    "ffn_gate" => "mlp.gate_proj",
+                    "ffn_up" => "mlp.up_proj",
+                    "ffn_down" => "mlp.down_proj",
+                    other => other,
+                };
+                format!("model.layers.{i}.{hf}.weight")
+            }
+        }
+    }
+}
+
+/// A weight of shape `rows x cols`.
+fn matrix(src: &dyn TensorSource, name: &str, rows: usize, cols: usize) -> Result<Matrix, String> {
+    let (data, shape) = src.tensor(name).map_err(|e| format!("{name}: {e}"))?;
+    if shape != [rows, cols] {
+        return Err(format!(
+            "{name}: shape {shape:?}, expected [{rows}, {cols}]"
+        ));
     }
     Ok(Matrix::new(rows, cols, data))
 }
 
-fn vector(g: &Gguf, name: &str, len: usize) -> Result<Vec<f32>, GgufError> {
-    let (data, dims) = g.tensor_f32(name)?;
-    if dims != [len as u64] {
-        return Err(GgufError::Tensor {
-            name: name.into(),
-            reason: format!("dims {dims:?}, expected [{len}]"),
-        });
+fn vector(src: &dyn TensorSource, name: &str, len: usize) -> Result<Vec<f32>, String> {
+    let (data, shape) = src.tensor(name).map_err(|e| format!("{name}: {e}"))?;
+    if shape != [len] {
+        return Err(format!("{name}: shape {shape:?}, expected [{len}]"));
     }
     Ok(data)
+}
+
+/// Reorders the rows of a Q or K projection from rotate-half RoPE order (pairs
+/// `(i, i + d/2)` within each head) to adjacent pairs `(2i, 2i + 1)`.
+fn rotate_half_to_adjacent(m: Matrix, head_dim: usize) -> Matrix {
+    let mut data = vec![0.0; m.data.len()];
+    let half = head_dim / 2;
+    for r in 0..m.rows {
+        let (head, within) = (r / head_dim, r % head_dim);
+        let to = head * head_dim
+            + if within < half {
+                2 * within
+            } else {
+                2 * (within - half) + 1
+            };
+        data[to * m.cols..(to + 1) * m.cols].copy_from_slice(m.row(r));
+    }
+    Matrix::new(m.rows, m.cols, data)
 }
 
 impl Llama {
     /// Loads a llama.cpp-style GGUF (`token_embd`, `blk.N.*`, `output_norm`,
     /// optional `output`).
     pub fn from_gguf(g: &Gguf) -> Result<Llama, GgufError> {
-        let c = LlamaConfig::from_gguf(g)?;
+        let config = LlamaConfig::from_gguf(g)?;
+        Llama::from_source(config, g, Naming::Gguf).map_err(|reason| GgufError::Tensor {
+            name: "model".into(),
+            reason,
+        })
+    }
+
+    /// Loads the weights of a model of shape `c` from `src`.
+    pub fn from_source(
+        c: LlamaConfig,
+        src: &dyn TensorSource,
+        naming: Naming,
+    ) -> Result<Llama, String> {
+        c.check()?;
         let (h, kv) = (c.hidden, c.kv_dim());
+        let qk = |m: Matrix| match naming {
+            Naming::Gguf => m,
+            Naming::HuggingFace => rotate_half_to_adjacent(m, c.head_dim),
+        };
         let layers = (0..c.n_layers)
             .map(|i| {
-                let n = |s: &str| format!("blk.{i}.{s}.weight");
+                let n = |part: &str| naming.layer(i, part);
                 Ok(Layer {
-                    attn_norm: vector(g, &n("attn_norm"), h)?,
-                    wq: matrix(g, &n("attn_q"), h, h)?,
-                    wk: matrix(g, &n("attn_k"), kv, h)?,
-                    wv: matrix(g, &n("attn_v"), kv, h)?,
-                    wo: matrix(g, &n("attn_output"), h, h)?,
-                    ffn_norm: vector(g, &n("ffn_norm"), h)?,
-                    w_gate: matrix(g, &n("ffn_gate"), c.ffn, h)?,
-                    w_up: matrix(g, &n("ffn_up"), c.ffn, h)?,
-                    w_down: matrix(g, &n("ffn_down"), h, c.ffn)?,
+                    attn_norm: vector(src, &n("attn_norm"), h)?,
+                    wq: qk(matrix(src, &n("attn_q"), h, h)?),
+                    wk: qk(matrix(src, &n("attn_k"), kv, h)?),
+                    wv: matrix(src, &n("attn_v"), kv, h)?,
+                    wo: matrix(src, &n("attn_output"), h, h)?,
+                    ffn_norm: vector(src, &n("ffn_norm"), h)?,
+                    w_gate: matrix(src, &n("ffn_gate"), c.ffn, h)?,
+                    w_up: matrix(src, &n("ffn_up"), c.ffn, h)?,
+                    w_down: matrix(src, &n("ffn_down"), h, c.ffn)?,
                 })
             })
-            .collect::<Result<Vec<_>, GgufError>>()?;
-        let lm_head = match g.tensors.contains_key("output.weight") {
-            true => Some(matrix(g, "output.weight", c.vocab, h)?),
+            .collect::<Result<Vec<_>, String>>()?;
+        let lm_head = match src.has(naming.head()) {
+            true => Some(matrix(src, naming.head(), c.vocab, h)?),
             false => None,
         };
         Ok(Llama {
-            embed: matrix(g, "token_embd.weight", c.vocab, h)?,
-            norm: vector(g, "output_norm.weight", h)?,
+            embed: matrix(src, naming.embed(), c.vocab, h)?,
+            norm: vector(src, naming.norm(), h)?,
             layers,
             lm_head,
             config: c,

@@ -2,12 +2,13 @@
 
 mod config;
 pub mod gguf;
+mod hf;
 mod llama;
 mod tokenizer;
 
 pub use config::LlamaConfig;
 pub use gguf::{Gguf, GgufError};
-pub use llama::{Llama, Logits, SeqChunk};
+pub use llama::{Llama, Logits, Naming, SeqChunk, TensorSource};
 pub use tokenizer::{ChatMessage, Tokenizer, TokenizerError};
 
 use std::path::Path;
@@ -27,11 +28,27 @@ pub enum LoadError {
     Gguf(#[from] GgufError),
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
+    #[error("{0}")]
+    HuggingFace(String),
 }
 
-/// Loads a GGUF model file. The name is the file's stem without a quantization
-/// suffix (`SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`).
+/// Loads a model: a GGUF file, or a Hugging Face folder (config.json,
+/// safetensors, tokenizer.json). The name is the file's stem without a
+/// quantization suffix (`SmolLM2-135M-Instruct.Q4_1.gguf` ->
+/// `SmolLM2-135M-Instruct`), or the folder's name.
 pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
+    if path.is_dir() {
+        let llama = hf::load_llama(path).map_err(LoadError::HuggingFace)?;
+        let tokenizer = Tokenizer::from_hf_dir(path)?;
+        let name = path
+            .file_name()
+            .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
+        return Ok(LoadedModel {
+            llama,
+            tokenizer,
+            name,
+        });
+    }
     let gguf = Gguf::open(path)?;
     let llama = Llama::from_gguf(&gguf)?;
     let tokenizer = Tokenizer::from_gguf(&gguf)?;

@@ -141,6 +141,48 @@ impl Tokenizer {
         })
     }
 
+    /// The tokenizer of a Hugging Face folder: `tokenizer.json`, with the special
+    /// tokens and chat template of `tokenizer_config.json` when present.
+    pub fn from_hf_dir(dir: &std::path::Path) -> Result<Tokenizer, TokenizerError> {
+        let inner = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json"))
+            .map_err(|e| TokenizerError::Build(format!("tokenizer.json: {e}")))?;
+        let config: serde_json::Value = std::fs::read(dir.join("tokenizer_config.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
+        // A special token is a string or {"content": string}.
+        let token_text = |key: &str| match &config[key] {
+            serde_json::Value::String(s) => Some(s.clone()),
+            v => v["content"].as_str().map(str::to_string),
+        };
+        let bos_text = token_text("bos_token");
+        let eos_text = token_text("eos_token").ok_or_else(|| {
+            TokenizerError::Build("tokenizer_config.json names no eos_token".into())
+        })?;
+        let eos = inner.token_to_id(&eos_text).ok_or_else(|| {
+            TokenizerError::Build(format!("eos token {eos_text:?} is not in the vocabulary"))
+        })?;
+        let bos = bos_text.as_deref().and_then(|t| inner.token_to_id(t));
+        let mut stop_ids = vec![eos];
+        for end in ["<|im_end|>", "<|eot_id|>"] {
+            if let Some(id) = inner.token_to_id(end)
+                && !stop_ids.contains(&id)
+            {
+                stop_ids.push(id);
+            }
+        }
+        Ok(Tokenizer {
+            inner,
+            bos,
+            eos,
+            stop_ids,
+            add_bos: config["add_bos_token"].as_bool().unwrap_or(false),
+            chat_template: config["chat_template"].as_str().map(str::to_string),
+            bos_text: bos_text.unwrap_or_default(),
+            eos_text,
+        })
+    }
+
     /// Token ids of `text`; control tokens written in the text (`<|im_start|>`)
     /// become their ids. Adds bos when the model asks for it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
