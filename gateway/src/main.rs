@@ -10,7 +10,9 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use sluice_backend::engine::EngineConfig;
 use sluice_backend::server::{WorkerConfig, run_worker};
-use sluice_gateway::bench::{PluginBenchOptions, run_plugin_bench};
+use sluice_gateway::bench::{
+    EngineBenchOptions, PluginBenchOptions, run_engine_bench, run_plugin_bench,
+};
 
 /// Where `make model` puts SmolLM2-135M-Instruct.
 const DEFAULT_MODEL: &str = ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -89,6 +91,18 @@ enum Kind {
 
 #[derive(Subcommand)]
 enum Bench {
+    /// Decode speed of the CPU engine at batch 1 and 8 (and llama.cpp's).
+    Engine {
+        /// A GGUF model file [default: as `sluice worker`]
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Tokens generated per request.
+        #[arg(long, default_value_t = 64)]
+        new_tokens: u32,
+        /// Also run llama.cpp on the same GGUF (needs `pip install llama-cpp-python`).
+        #[arg(long)]
+        vs_llamacpp: bool,
+    },
     /// Cost of a KV-aware routing decision through Wasm vs native, and of swaps.
     Plugins {
         /// Folder with the built plugin components (`make plugins`).
@@ -134,11 +148,8 @@ fn run() -> anyhow::Result<()> {
             max_running,
             step_tokens,
         } => {
-            let model = model
-                .or_else(|| std::env::var_os("SLUICE_MODEL").map(PathBuf::from))
-                .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL));
             let config = WorkerConfig {
-                model,
+                model: model_path(model),
                 addr: std::net::SocketAddr::new(host, port),
                 served_name: served_model_name,
                 engine: EngineConfig {
@@ -157,6 +168,23 @@ fn run() -> anyhow::Result<()> {
             Kind::Admission => check::<Admission>(&file, &config),
             Kind::CachePolicy => check::<Cache>(&file, &config),
         }?,
+        Command::Bench {
+            which:
+                Bench::Engine {
+                    model,
+                    new_tokens,
+                    vs_llamacpp,
+                },
+        } => {
+            let options = EngineBenchOptions {
+                model: model_path(model),
+                new_tokens,
+                vs_llamacpp,
+            };
+            let summary = run_engine_bench(&options, |line| println!("{line}"))
+                .context("sluice bench engine")?;
+            println!("{summary}");
+        }
         Command::Bench {
             which:
                 Bench::Plugins {
@@ -183,6 +211,13 @@ fn run() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `--model`, else `$SLUICE_MODEL`, else the model `make model` fetches.
+fn model_path(model: Option<PathBuf>) -> PathBuf {
+    model
+        .or_else(|| std::env::var_os("SLUICE_MODEL").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL))
 }
 
 /// `sluice plugins check`: prints the identity and load time, or the refusal.

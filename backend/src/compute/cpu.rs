@@ -11,8 +11,52 @@ pub struct Matrix {
     pub data: Vec<f32>,
 }
 
-/// Dot product with eight accumulators, so the compiler vectorizes it.
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+/// True when the CPU has AVX2 and FMA: the kernels below are then compiled for
+/// them (checked once, at run time; the binary itself targets baseline x86-64).
+fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *HAS.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Defines `$name(args) -> f32`, running `$body` compiled for AVX2+FMA when the
+/// CPU has them and for the baseline otherwise.
+macro_rules! dispatch {
+    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) $body:block) => {
+        $(#[$doc])*
+        pub fn $name($($arg: $ty),*) -> f32 {
+            #[inline(always)]
+            fn body($($arg: $ty),*) -> f32 $body
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            fn avx2($($arg: $ty),*) -> f32 {
+                body($($arg),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            if has_avx2() {
+                // SAFETY: the CPU has AVX2 and FMA (checked at run time).
+                return unsafe { avx2($($arg),*) };
+            }
+            body($($arg),*)
+        }
+    };
+}
+
+dispatch! {
+    /// Dot product with eight accumulators, so the compiler vectorizes it.
+    fn dot(a: &[f32], b: &[f32]) {
+        dot_body(a, b)
+    }
+}
+
+#[inline(always)]
+fn dot_body(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0.0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -30,6 +74,217 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+dispatch! {
+    /// One row of Q4_1 blocks times `x`: `scales`, `mins` and `qs` (16 bytes of
+    /// nibbles per block: low nibbles are weights 0-15, high 16-31) of the row,
+    /// `x_sums` the sum of each 32-block of `x`. w = q * scale + min.
+    fn dot_q4_1(scales: &[f32], mins: &[f32], qs: &[u8], x: &[f32], x_sums: &[f32]) {
+        let mut acc = [0.0f32; 16];
+        let mut from_mins = 0.0f32;
+        for (b, (&d, &m)) in scales.iter().zip(mins).enumerate() {
+            let q = &qs[b * 16..b * 16 + 16];
+            let xb = &x[b * 32..b * 32 + 32];
+            for j in 0..16 {
+                let lo = f32::from(q[j] & 0x0f);
+                let hi = f32::from(q[j] >> 4);
+                acc[j] += (lo * xb[j] + hi * xb[j + 16]) * d;
+            }
+            from_mins += m * x_sums[b];
+        }
+        acc.iter().sum::<f32>() + from_mins
+    }
+}
+
+dispatch! {
+    /// One row of Q8_0 blocks times `x`: w = q * scale, 32 signed bytes per block.
+    fn dot_q8_0(scales: &[f32], qs: &[i8], x: &[f32]) {
+        let mut acc = [0.0f32; 32];
+        for (b, &d) in scales.iter().enumerate() {
+            let q = &qs[b * 32..b * 32 + 32];
+            let xb = &x[b * 32..b * 32 + 32];
+            for j in 0..32 {
+                acc[j] += f32::from(q[j]) * xb[j] * d;
+            }
+        }
+        acc.iter().sum::<f32>()
+    }
+}
+
+/// A quantized weight kept in blocks of 32 (scales converted to f32 at load).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Quant {
+    /// 16 bytes of nibbles per block, a scale and a min.
+    Q4_1 {
+        scales: Vec<f32>,
+        mins: Vec<f32>,
+        qs: Vec<u8>,
+    },
+    /// 32 signed bytes per block and a scale.
+    Q8_0 { scales: Vec<f32>, qs: Vec<i8> },
+}
+
+/// A linear layer's weight, `rows` outputs by `cols` inputs: f32, or quantized
+/// blocks dequantized block by block inside the dot product.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Weight {
+    F32(Matrix),
+    Quant {
+        rows: usize,
+        cols: usize,
+        quant: Quant,
+    },
+}
+
+impl Weight {
+    /// From GGUF block bytes (Q4_1: f16 d, f16 m, 16 bytes; Q8_0: f16 d, 32 i8).
+    pub fn from_blocks(
+        rows: usize,
+        cols: usize,
+        q4_1: bool,
+        bytes: &[u8],
+    ) -> Result<Weight, String> {
+        if cols % 32 != 0 {
+            return Err(format!("{cols} columns are not whole blocks of 32"));
+        }
+        let blocks = rows * cols / 32;
+        let half = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+        let (block_bytes, quant) = if q4_1 {
+            let mut scales = Vec::with_capacity(blocks);
+            let mut mins = Vec::with_capacity(blocks);
+            let mut qs = Vec::with_capacity(blocks * 16);
+            for b in bytes.chunks_exact(20) {
+                scales.push(half(&b[0..2]));
+                mins.push(half(&b[2..4]));
+                qs.extend_from_slice(&b[4..20]);
+            }
+            (20, Quant::Q4_1 { scales, mins, qs })
+        } else {
+            let mut scales = Vec::with_capacity(blocks);
+            let mut qs = Vec::with_capacity(blocks * 32);
+            for b in bytes.chunks_exact(34) {
+                scales.push(half(&b[0..2]));
+                qs.extend(b[2..34].iter().map(|&q| q as i8));
+            }
+            (34, Quant::Q8_0 { scales, qs })
+        };
+        if bytes.len() != blocks * block_bytes {
+            return Err(format!("{} bytes for {blocks} blocks", bytes.len()));
+        }
+        Ok(Weight::Quant { rows, cols, quant })
+    }
+
+    pub fn rows(&self) -> usize {
+        match self {
+            Weight::F32(m) => m.rows,
+            Weight::Quant { rows, .. } => *rows,
+        }
+    }
+
+    pub fn cols(&self) -> usize {
+        match self {
+            Weight::F32(m) => m.cols,
+            Weight::Quant { cols, .. } => *cols,
+        }
+    }
+
+    /// Row `r`, dequantized (an embedding lookup).
+    pub fn row_f32(&self, r: usize) -> Vec<f32> {
+        match self {
+            Weight::F32(m) => m.row(r).to_vec(),
+            Weight::Quant { cols, quant, .. } => {
+                let nb = cols / 32;
+                let mut out = Vec::with_capacity(*cols);
+                match quant {
+                    Quant::Q4_1 { scales, mins, qs } => {
+                        for b in r * nb..(r + 1) * nb {
+                            let q = &qs[b * 16..b * 16 + 16];
+                            out.extend(
+                                q.iter().map(|&v| f32::from(v & 0x0f) * scales[b] + mins[b]),
+                            );
+                            out.extend(q.iter().map(|&v| f32::from(v >> 4) * scales[b] + mins[b]));
+                        }
+                    }
+                    Quant::Q8_0 { scales, qs } => {
+                        for b in r * nb..(r + 1) * nb {
+                            out.extend(
+                                qs[b * 32..b * 32 + 32]
+                                    .iter()
+                                    .map(|&v| f32::from(v) * scales[b]),
+                            );
+                        }
+                    }
+                }
+                out
+            }
+        }
+    }
+
+    /// Row `r` times one input `x` (`x_sums`: per-32-block sums of `x`).
+    fn row_dot(&self, r: usize, x: &[f32], x_sums: &[f32]) -> f32 {
+        match self {
+            Weight::F32(m) => dot(m.row(r), x),
+            Weight::Quant { cols, quant, .. } => {
+                let nb = cols / 32;
+                let blocks = r * nb..(r + 1) * nb;
+                match quant {
+                    Quant::Q4_1 { scales, mins, qs } => dot_q4_1(
+                        &scales[blocks.clone()],
+                        &mins[blocks.clone()],
+                        &qs[blocks.start * 16..blocks.end * 16],
+                        x,
+                        x_sums,
+                    ),
+                    Quant::Q8_0 { scales, qs } => dot_q8_0(
+                        &scales[blocks.clone()],
+                        &qs[blocks.start * 32..blocks.end * 32],
+                        x,
+                    ),
+                }
+            }
+        }
+    }
+
+    /// `x` holds `n` inputs of `cols`; returns `n` outputs of `rows`. Threads
+    /// split the weight rows, so each weight is read once for all `n` inputs.
+    pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
+        let (rows, cols) = (self.rows(), self.cols());
+        assert_eq!(x.len(), n * cols, "matmul input");
+        // Per-input sums of each 32-block (Q4_1's mins need them).
+        let sums_per_input = cols.div_ceil(32);
+        let x_sums: Vec<f32> = x
+            .chunks(cols.max(1))
+            .flat_map(|input| input.chunks(32).map(|c| c.iter().sum::<f32>()))
+            .collect();
+        let mut out_t = vec![0.0f32; rows * n];
+        const ROWS_PER_TASK: usize = 16;
+        out_t
+            .par_chunks_mut(ROWS_PER_TASK * n)
+            .enumerate()
+            .for_each(|(chunk, out)| {
+                let first = chunk * ROWS_PER_TASK;
+                for (i, out_row) in out.chunks_mut(n).enumerate() {
+                    for (t, o) in out_row.iter_mut().enumerate() {
+                        *o = self.row_dot(
+                            first + i,
+                            &x[t * cols..(t + 1) * cols],
+                            &x_sums[t * sums_per_input..(t + 1) * sums_per_input],
+                        );
+                    }
+                }
+            });
+        if n == 1 {
+            return out_t;
+        }
+        let mut out = vec![0.0f32; n * rows];
+        for r in 0..rows {
+            for t in 0..n {
+                out[t * rows + r] = out_t[r * n + t];
+            }
+        }
+        out
+    }
+}
+
 impl Matrix {
     pub fn new(rows: usize, cols: usize, data: Vec<f32>) -> Self {
         assert_eq!(data.len(), rows * cols, "matrix data");
@@ -38,36 +293,6 @@ impl Matrix {
 
     pub fn row(&self, r: usize) -> &[f32] {
         &self.data[r * self.cols..(r + 1) * self.cols]
-    }
-
-    /// `x` holds `n` inputs of `cols`; returns `n` outputs of `rows`. Threads
-    /// split the weight rows, so each weight is read once for all `n` inputs.
-    pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
-        assert_eq!(x.len(), n * self.cols, "matmul input");
-        let mut out_t = vec![0.0f32; self.rows * n];
-        const ROWS_PER_TASK: usize = 16;
-        out_t
-            .par_chunks_mut(ROWS_PER_TASK * n)
-            .enumerate()
-            .for_each(|(chunk, out)| {
-                let first = chunk * ROWS_PER_TASK;
-                for (i, out_row) in out.chunks_mut(n).enumerate() {
-                    let w = self.row(first + i);
-                    for (t, o) in out_row.iter_mut().enumerate() {
-                        *o = dot(w, &x[t * self.cols..(t + 1) * self.cols]);
-                    }
-                }
-            });
-        if n == 1 {
-            return out_t;
-        }
-        let mut out = vec![0.0f32; n * self.rows];
-        for r in 0..self.rows {
-            for t in 0..n {
-                out[t * self.rows + r] = out_t[r * n + t];
-            }
-        }
-        out
     }
 }
 
@@ -128,13 +353,44 @@ mod tests {
     use super::*;
 
     #[test]
+    fn quantized_matmul_equals_the_dequantized_one() {
+        use half::f16;
+        // Two rows of two blocks each, in GGUF byte layout.
+        let mut q4 = Vec::new();
+        let mut q8 = Vec::new();
+        for b in 0..4u8 {
+            q4.extend(f16::from_f32(0.5 + f32::from(b)).to_le_bytes());
+            q4.extend(f16::from_f32(-1.0).to_le_bytes());
+            q4.extend((0..16u8).map(|i| i.wrapping_mul(7 + b) & 0xff));
+            q8.extend(f16::from_f32(0.25 * f32::from(b + 1)).to_le_bytes());
+            q8.extend((0..32u8).map(|i| (i as i8 - 16 + b as i8) as u8));
+        }
+        let x: Vec<f32> = (0..128)
+            .map(|i| ((i * 37) % 11) as f32 * 0.1 - 0.5)
+            .collect();
+        for (q4_1, bytes) in [(true, &q4), (false, &q8)] {
+            let w = Weight::from_blocks(2, 64, q4_1, bytes).unwrap();
+            let dense = Weight::F32(Matrix::new(2, 64, [w.row_f32(0), w.row_f32(1)].concat()));
+            let (a, b) = (w.matmul(&x, 2), dense.matmul(&x, 2));
+            for (p, q) in a.iter().zip(&b) {
+                assert!((p - q).abs() < 1e-4, "{a:?} vs {b:?}");
+            }
+        }
+        let q4_1 = Weight::from_blocks(2, 64, true, &q4).unwrap();
+        let gguf = crate::model::gguf::dequantize(crate::model::gguf::TensorType::Q4_1, &q4);
+        assert_eq!([q4_1.row_f32(0), q4_1.row_f32(1)].concat(), gguf);
+        assert!(Weight::from_blocks(2, 64, true, &q4[..40]).is_err());
+    }
+
+    #[test]
     fn matmul_matches_the_definition_for_one_and_many_inputs() {
-        let w = Matrix::new(3, 20, (0..60).map(|i| (i % 7) as f32 - 3.0).collect());
+        let m = Matrix::new(3, 20, (0..60).map(|i| (i % 7) as f32 - 3.0).collect());
+        let w = Weight::F32(m.clone());
         let x: Vec<f32> = (0..40).map(|i| (i % 5) as f32 * 0.5).collect();
         let out = w.matmul(&x, 2);
         for t in 0..2 {
             for r in 0..3 {
-                let want: f32 = (0..20).map(|c| w.row(r)[c] * x[t * 20 + c]).sum();
+                let want: f32 = (0..20).map(|c| m.row(r)[c] * x[t * 20 + c]).sum();
                 assert!((out[t * 3 + r] - want).abs() < 1e-4);
             }
         }

@@ -327,6 +327,15 @@ impl Gguf {
         })
     }
 
+    /// A tensor's type, raw bytes and dims (innermost first).
+    pub fn tensor_raw(&self, name: &str) -> Result<(TensorType, &[u8], &[u64]), GgufError> {
+        let info = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| GgufError::MissingTensor(name.into()))?;
+        Ok((info.ty, self.tensor_bytes(name, info)?, &info.dims))
+    }
+
     /// A tensor dequantized to f32, in file order (innermost dimension fastest).
     pub fn tensor_f32(&self, name: &str) -> Result<(Vec<f32>, Vec<u64>), GgufError> {
         let info = self

@@ -6,33 +6,33 @@
 use rayon::prelude::*;
 
 use super::config::LlamaConfig;
-use super::gguf::{Gguf, GgufError};
-use crate::compute::cpu::{Matrix, dot, rms_norm, rope, rope_table, silu, softmax};
+use super::gguf::{Gguf, GgufError, TensorType};
+use crate::compute::cpu::{Matrix, Weight, dot, rms_norm, rope, rope_table, silu, softmax};
 use crate::kv::KvStorage;
 
 /// The weights of one transformer block.
 #[derive(Debug)]
 struct Layer {
     attn_norm: Vec<f32>,
-    wq: Matrix,
-    wk: Matrix,
-    wv: Matrix,
-    wo: Matrix,
+    wq: Weight,
+    wk: Weight,
+    wv: Weight,
+    wo: Weight,
     ffn_norm: Vec<f32>,
-    w_gate: Matrix,
-    w_up: Matrix,
-    w_down: Matrix,
+    w_gate: Weight,
+    w_up: Weight,
+    w_down: Weight,
 }
 
 /// A loaded model, weights in f32.
 #[derive(Debug)]
 pub struct Llama {
     pub config: LlamaConfig,
-    embed: Matrix,
+    embed: Weight,
     layers: Vec<Layer>,
     norm: Vec<f32>,
     /// `None`: the output head is the embedding matrix (tied).
-    lm_head: Option<Matrix>,
+    lm_head: Option<Weight>,
 }
 
 /// Which logits a chunk wants back.
@@ -61,6 +61,10 @@ pub struct SeqChunk<'a> {
 pub trait TensorSource {
     fn tensor(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>), String>;
     fn has(&self, name: &str) -> bool;
+    /// The tensor kept quantized (Q4_1, Q8_0), if it is stored so.
+    fn quantized(&self, _name: &str, _rows: usize, _cols: usize) -> Option<Result<Weight, String>> {
+        None
+    }
 }
 
 impl TensorSource for Gguf {
@@ -71,6 +75,20 @@ impl TensorSource for Gguf {
     }
     fn has(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
+    }
+    fn quantized(&self, name: &str, rows: usize, cols: usize) -> Option<Result<Weight, String>> {
+        let (ty, bytes, dims) = self.tensor_raw(name).ok()?;
+        let q4_1 = match ty {
+            TensorType::Q4_1 => true,
+            TensorType::Q8_0 => false,
+            _ => return None,
+        };
+        if dims != [cols as u64, rows as u64] {
+            return Some(Err(format!(
+                "{name}: dims {dims:?}, expected [{cols}, {rows}]"
+            )));
+        }
+        Some(Weight::from_blocks(rows, cols, q4_1, bytes).map_err(|e| format!("{name}: {e}")))
     }
 }
 
@@ -127,7 +145,15 @@ impl Naming {
     }
 }
 
-/// A weight of shape `rows x cols`.
+/// A weight of shape `rows x cols`, kept quantized when the file stores it so.
+fn weight(src: &dyn TensorSource, name: &str, rows: usize, cols: usize) -> Result<Weight, String> {
+    match src.quantized(name, rows, cols) {
+        Some(w) => w,
+        None => matrix(src, name, rows, cols).map(Weight::F32),
+    }
+}
+
+/// A weight of shape `rows x cols`, in f32.
 fn matrix(src: &dyn TensorSource, name: &str, rows: usize, cols: usize) -> Result<Matrix, String> {
     let (data, shape) = src.tensor(name).map_err(|e| format!("{name}: {e}"))?;
     if shape != [rows, cols] {
@@ -183,32 +209,38 @@ impl Llama {
     ) -> Result<Llama, String> {
         c.check()?;
         let (h, kv) = (c.hidden, c.kv_dim());
-        let qk = |m: Matrix| match naming {
-            Naming::Gguf => m,
-            Naming::HuggingFace => rotate_half_to_adjacent(m, c.head_dim),
+        // Hugging Face Q and K (never quantized here) are reordered for RoPE.
+        let qk = |name: &str, rows: usize| -> Result<Weight, String> {
+            match naming {
+                Naming::Gguf => weight(src, name, rows, h),
+                Naming::HuggingFace => Ok(Weight::F32(rotate_half_to_adjacent(
+                    matrix(src, name, rows, h)?,
+                    c.head_dim,
+                ))),
+            }
         };
         let layers = (0..c.n_layers)
             .map(|i| {
                 let n = |part: &str| naming.layer(i, part);
                 Ok(Layer {
                     attn_norm: vector(src, &n("attn_norm"), h)?,
-                    wq: qk(matrix(src, &n("attn_q"), h, h)?),
-                    wk: qk(matrix(src, &n("attn_k"), kv, h)?),
-                    wv: matrix(src, &n("attn_v"), kv, h)?,
-                    wo: matrix(src, &n("attn_output"), h, h)?,
+                    wq: qk(&n("attn_q"), h)?,
+                    wk: qk(&n("attn_k"), kv)?,
+                    wv: weight(src, &n("attn_v"), kv, h)?,
+                    wo: weight(src, &n("attn_output"), h, h)?,
                     ffn_norm: vector(src, &n("ffn_norm"), h)?,
-                    w_gate: matrix(src, &n("ffn_gate"), c.ffn, h)?,
-                    w_up: matrix(src, &n("ffn_up"), c.ffn, h)?,
-                    w_down: matrix(src, &n("ffn_down"), h, c.ffn)?,
+                    w_gate: weight(src, &n("ffn_gate"), c.ffn, h)?,
+                    w_up: weight(src, &n("ffn_up"), c.ffn, h)?,
+                    w_down: weight(src, &n("ffn_down"), h, c.ffn)?,
                 })
             })
             .collect::<Result<Vec<_>, String>>()?;
         let lm_head = match src.has(naming.head()) {
-            true => Some(matrix(src, naming.head(), c.vocab, h)?),
+            true => Some(weight(src, naming.head(), c.vocab, h)?),
             false => None,
         };
         Ok(Llama {
-            embed: matrix(src, naming.embed(), c.vocab, h)?,
+            embed: weight(src, naming.embed(), c.vocab, h)?,
             norm: vector(src, naming.norm(), h)?,
             layers,
             lm_head,
@@ -231,7 +263,7 @@ impl Llama {
         let mut x = Vec::with_capacity(n * h);
         for ch in chunks {
             for &t in ch.tokens {
-                x.extend_from_slice(self.embed.row(t as usize));
+                x.extend_from_slice(&self.embed.row_f32(t as usize));
             }
         }
         let ropes: Vec<Vec<(f32, f32)>> = tokens

@@ -2,8 +2,10 @@
 //! and, last, a summary object. Figures go into BENCHMARKS.md with the command,
 //! the machine and the date; nothing here asserts a timing.
 
+mod engine;
 mod plugins;
 
+pub use engine::{EngineBenchOptions, run_engine_bench};
 pub use plugins::{PluginBenchOptions, run_plugin_bench};
 
 use std::time::Instant;
