@@ -143,7 +143,7 @@ impl Weight {
         q4_1: bool,
         bytes: &[u8],
     ) -> Result<Weight, String> {
-        if cols % 32 != 0 {
+        if !cols.is_multiple_of(32) {
             return Err(format!("{cols} columns are not whole blocks of 32"));
         }
         let blocks = rows * cols / 32;
@@ -361,7 +361,7 @@ mod tests {
         for b in 0..4u8 {
             q4.extend(f16::from_f32(0.5 + f32::from(b)).to_le_bytes());
             q4.extend(f16::from_f32(-1.0).to_le_bytes());
-            q4.extend((0..16u8).map(|i| i.wrapping_mul(7 + b) & 0xff));
+            q4.extend((0..16u8).map(|i| i.wrapping_mul(7 + b)));
             q8.extend(f16::from_f32(0.25 * f32::from(b + 1)).to_le_bytes());
             q8.extend((0..32u8).map(|i| (i as i8 - 16 + b as i8) as u8));
         }
