@@ -226,3 +226,79 @@ fn bad_requests_get_an_error_event() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn kv_events_replayed_give_the_cache_contents() {
+    use std::collections::BTreeSet;
+    // A small pool so that blocks are also evicted along the way.
+    let e = engine(EngineConfig {
+        kv_blocks: 8,
+        ..EngineConfig::default()
+    });
+    let mut events = e.subscribe_kv_events();
+    for q in QUESTIONS.iter().chain(QUESTIONS.iter().rev()) {
+        run(&e, greedy(chat(q), 12));
+    }
+    let mut cache = BTreeSet::new();
+    let mut expected_seq = 1;
+    let mut removed = 0;
+    while let Ok(ev) = events.try_recv() {
+        assert_eq!(ev.seq, expected_seq, "no gaps");
+        expected_seq += 1;
+        match ev.event {
+            KvEvent::Stored { hashes, .. } => cache.extend(hashes),
+            KvEvent::Removed { hashes } => {
+                removed += hashes.len();
+                for h in hashes {
+                    assert!(cache.remove(&h), "removed a block that was never stored");
+                }
+            }
+            KvEvent::AllCleared => cache.clear(),
+        }
+    }
+    assert!(removed > 0, "the small pool evicted something");
+    let (last_seq, snapshot) = e.cached_snapshot();
+    assert_eq!(last_seq, expected_seq - 1);
+    assert_eq!(cache, snapshot.into_iter().collect::<BTreeSet<_>>());
+}
+
+#[test]
+fn a_shared_prefix_is_computed_once() {
+    let e = engine(EngineConfig::default());
+    // A long shared system prompt, two different questions.
+    let tok = &model().1;
+    let system = "You are a careful assistant. ".repeat(30);
+    let prompt = |q: &str| {
+        let text = tok
+            .apply_chat_template(
+                &[
+                    ChatMessage {
+                        role: "system".into(),
+                        content: system.clone(),
+                    },
+                    ChatMessage {
+                        role: "user".into(),
+                        content: q.into(),
+                    },
+                ],
+                true,
+            )
+            .unwrap();
+        tok.encode(&text).unwrap()
+    };
+    let (a, b) = (prompt("What is 2 plus 2?"), prompt("Name three colors."));
+    let shared = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    let first = run(&e, greedy(a, 8));
+    assert_eq!(first.cached, 0);
+    let second = run(&e, greedy(b.clone(), 8));
+    // Every full block of the shared prefix came from the cache.
+    assert_eq!(second.cached as usize, shared / 16 * 16);
+    assert!(
+        second.cached >= 128,
+        "a long prefix was reused ({})",
+        second.cached
+    );
+    // And the answer is what a cold engine gives.
+    let cold = run(&engine(EngineConfig::default()), greedy(b, 8));
+    assert_eq!(second.ids, cold.ids);
+}

@@ -227,6 +227,30 @@ async fn bad_requests_get_openai_errors() {
     assert_eq!(status, 400);
     let r = reqwest::get(format!("{url}/v2/nothing")).await.unwrap();
     assert_eq!(r.status().as_u16(), 404);
+    // An oversize body gets a 413 in OpenAI's shape.
+    let huge = "x".repeat(9 << 20);
+    let (status, err) = post(
+        &url,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": huge}]}),
+    )
+    .await;
+    assert_eq!(status, 413, "{err}");
+    assert_eq!(err["error"]["type"], "invalid_request_error");
+    // And after all that, the worker still serves.
+    let (status, ok) = post(
+        &url,
+        "/v1/chat/completions",
+        json!({"messages": question(), "temperature": 0, "max_tokens": 8}),
+    )
+    .await;
+    assert_eq!(status, 200, "{ok}");
+    assert!(
+        ok["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .contains("Paris")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -189,11 +189,18 @@ impl Weight {
 
     /// Row `r`, dequantized (an embedding lookup).
     pub fn row_f32(&self, r: usize) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.cols());
+        self.row_into(r, &mut out);
+        out
+    }
+
+    /// Row `r`, dequantized into `out` (cleared first).
+    pub fn row_into(&self, r: usize, out: &mut Vec<f32>) {
+        out.clear();
         match self {
-            Weight::F32(m) => m.row(r).to_vec(),
+            Weight::F32(m) => out.extend_from_slice(m.row(r)),
             Weight::Quant { cols, quant, .. } => {
                 let nb = cols / 32;
-                let mut out = Vec::with_capacity(*cols);
                 match quant {
                     Quant::Q4_1 { scales, mins, qs } => {
                         for b in r * nb..(r + 1) * nb {
@@ -214,7 +221,6 @@ impl Weight {
                         }
                     }
                 }
-                out
             }
         }
     }
@@ -262,7 +268,16 @@ impl Weight {
             .enumerate()
             .for_each(|(chunk, out)| {
                 let first = chunk * ROWS_PER_TASK;
+                let mut row = Vec::new();
                 for (i, out_row) in out.chunks_mut(n).enumerate() {
+                    // Several inputs: dequantize the row once, then plain dots.
+                    if n > 2 && matches!(self, Weight::Quant { .. }) {
+                        self.row_into(first + i, &mut row);
+                        for (t, o) in out_row.iter_mut().enumerate() {
+                            *o = dot(&row, &x[t * cols..(t + 1) * cols]);
+                        }
+                        continue;
+                    }
                     for (t, o) in out_row.iter_mut().enumerate() {
                         *o = self.row_dot(
                             first + i,

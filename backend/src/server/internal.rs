@@ -27,9 +27,9 @@ use crate::engine::{GenerateEvent, GenerateRequest};
 /// line, ending with `finished` or `error`.
 pub async fn generate(
     State(state): State<Arc<WorkerState>>,
-    body: axum::body::Bytes,
+    body: axum::body::Body,
 ) -> Result<Response, ApiError> {
-    let request: GenerateRequest = parse(&body)?;
+    let request: GenerateRequest = parse(body).await?;
     state.metrics.requests.fetch_add(1, Ordering::Relaxed);
     let (_, rx) = state.engine.submit(request);
     let metrics_state = state.clone();

@@ -87,7 +87,9 @@ pub fn router(state: Arc<WorkerState>) -> Router {
                 param: None,
             }
         })
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        // Handlers read bodies themselves, up to MAX_BODY_BYTES, to answer an
+        // oversize one with an OpenAI-shaped 413.
+        .layer(DefaultBodyLimit::disable())
         .with_state(state)
 }
 

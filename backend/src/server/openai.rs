@@ -126,8 +126,17 @@ fn now_secs() -> u64 {
 }
 
 /// Parses a JSON body into `T`, with OpenAI-shaped errors.
-pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(body)
+/// Reads a JSON body (at most [`super::MAX_BODY_BYTES`]) into `T`, with
+/// OpenAI-shaped errors: 413 for an oversize body, 400 for bad JSON.
+pub async fn parse<T: serde::de::DeserializeOwned>(body: axum::body::Body) -> Result<T, ApiError> {
+    let bytes = axum::body::to_bytes(body, super::MAX_BODY_BYTES)
+        .await
+        .map_err(|_| ApiError {
+            status: axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+            message: format!("the request body is over {} bytes", super::MAX_BODY_BYTES),
+            param: None,
+        })?;
+    serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::invalid(format!("invalid request body: {e}"), None))
 }
 
@@ -498,9 +507,9 @@ fn completion_logprobs(state: &WorkerState, tokens: &[TokenOut]) -> Value {
 
 pub async fn chat_completions(
     State(state): State<Arc<WorkerState>>,
-    body: axum::body::Bytes,
+    body: axum::body::Body,
 ) -> Result<Response, ApiError> {
-    let request: ChatRequest = parse(&body)?;
+    let request: ChatRequest = parse(body).await?;
     let prompt = chat_prompt(&state, &request)?;
     let top = request.top_logprobs.unwrap_or(0);
     if top > 0 && !request.logprobs {
@@ -554,9 +563,9 @@ pub async fn chat_completions(
 
 pub async fn completions(
     State(state): State<Arc<WorkerState>>,
-    body: axum::body::Bytes,
+    body: axum::body::Body,
 ) -> Result<Response, ApiError> {
-    let request: CompletionRequest = parse(&body)?;
+    let request: CompletionRequest = parse(body).await?;
     if request.echo {
         return Err(ApiError::invalid("echo is not supported", Some("echo")));
     }
