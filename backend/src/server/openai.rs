@@ -385,6 +385,7 @@ fn stream(
 ) -> Response {
     let created = now_secs();
     let model = state.model_name.clone();
+    let state_for_metrics = state.clone();
     let object = match kind {
         Kind::Chat => "chat.completion.chunk",
         Kind::Completion => "text_completion",
@@ -457,12 +458,16 @@ fn stream(
     // cancels the request.
     let (tx, sse_rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(64);
     let mut rx = rx;
+    let metrics_state = state_for_metrics;
     tokio::spawn(async move {
         while let Some(event) = rx.recv().await {
             let finished = matches!(
                 event,
                 GenerateEvent::Finished { .. } | GenerateEvent::Error { .. }
             );
+            if let GenerateEvent::Finished { usage, .. } = &event {
+                metrics_state.metrics.record(usage);
+            }
             for e in to_events(event) {
                 if tx.send(Ok(e)).await.is_err() {
                     return;
@@ -505,6 +510,50 @@ fn completion_logprobs(state: &WorkerState, tokens: &[TokenOut]) -> Value {
     })
 }
 
+/// A submitted request: its SSE response, or (for a non-streaming request) its
+/// id and finished generation.
+enum Started {
+    Streaming(Response),
+    Done(String, Collected),
+}
+
+/// Submits `generate` and either streams it or waits for it to finish.
+async fn start(
+    state: &Arc<WorkerState>,
+    generate: GenerateRequest,
+    kind: Kind,
+    common: &Common,
+    logprobs: bool,
+) -> Result<Started, ApiError> {
+    let (engine_id, rx) = state.engine.submit(generate);
+    state
+        .metrics
+        .requests
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let prefix = match kind {
+        Kind::Chat => "chatcmpl",
+        Kind::Completion => "cmpl",
+    };
+    let id = format!("{prefix}-{}-{engine_id}", state.instance);
+    if common.stream {
+        let usage = common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage);
+        return Ok(Started::Streaming(stream(
+            state.clone(),
+            rx,
+            kind,
+            id,
+            usage,
+            logprobs,
+        )));
+    }
+    let done = collect(rx).await?;
+    state.metrics.record(&done.usage);
+    Ok(Started::Done(id, done))
+}
+
 pub async fn chat_completions(
     State(state): State<Arc<WorkerState>>,
     body: axum::body::Body,
@@ -519,29 +568,18 @@ pub async fn chat_completions(
         ));
     }
     let generate = build_request(&state, &request.common, prompt, request.logprobs, top)?;
-    let (engine_id, rx) = state.engine.submit(generate);
-    state
-        .metrics
-        .requests
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let id = format!("chatcmpl-{}-{engine_id}", state.instance);
-    if request.common.stream {
-        let usage = request
-            .common
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage);
-        return Ok(stream(
-            state.clone(),
-            rx,
-            Kind::Chat,
-            id,
-            usage,
-            request.logprobs,
-        ));
-    }
-    let done = collect(rx).await?;
-    state.metrics.record(&done.usage);
+    let (id, done) = match start(
+        &state,
+        generate,
+        Kind::Chat,
+        &request.common,
+        request.logprobs,
+    )
+    .await?
+    {
+        Started::Streaming(response) => return Ok(response),
+        Started::Done(id, done) => (id, done),
+    };
     let logprobs = request.logprobs.then(|| {
         json!({"content": done.tokens.iter().map(|t| chat_logprob(&state, t)).collect::<Vec<_>>()})
     });
@@ -607,29 +645,19 @@ pub async fn completions(
         request.logprobs.is_some(),
         top,
     )?;
-    let (engine_id, rx) = state.engine.submit(generate);
-    state
-        .metrics
-        .requests
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let id = format!("cmpl-{}-{engine_id}", state.instance);
-    if request.common.stream {
-        let usage = request
-            .common
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage);
-        return Ok(stream(
-            state.clone(),
-            rx,
-            Kind::Completion,
-            id,
-            usage,
-            request.logprobs.is_some(),
-        ));
-    }
-    let done = collect(rx).await?;
-    state.metrics.record(&done.usage);
+    let logprobs = request.logprobs.is_some();
+    let (id, done) = match start(
+        &state,
+        generate,
+        Kind::Completion,
+        &request.common,
+        logprobs,
+    )
+    .await?
+    {
+        Started::Streaming(response) => return Ok(response),
+        Started::Done(id, done) => (id, done),
+    };
     let logprobs = request
         .logprobs
         .is_some()
