@@ -109,6 +109,23 @@ fn config_tokenizer_and_template_match_the_model_card() {
 }
 
 #[test]
+fn token_ids_match_llama_cpp_and_round_trip() {
+    let (_, tok) = load();
+    // Reference ids from llama.cpp's tokenizer on the same GGUF
+    // (llama-cpp-python: tokenize(text, add_bos=False, special=True)).
+    let cases: [(&str, &[u32]); 4] = [
+        ("Hello, world!", &[19556, 28, 905, 17]),
+        ("In 2024, 365 days", &[788, 216, 34, 32, 34, 36, 28, 216, 35, 38, 37, 2009]),
+        ("naïve café — 東京", &[3546, 46494, 37366, 1841, 17097, 247, 126, 16736, 122]),
+        ("<|im_start|>user\nHi<|im_end|>", &[1, 4093, 198, 26843, 2]),
+    ];
+    for (text, ids) in cases {
+        assert_eq!(tok.encode(text).unwrap(), ids, "{text:?}");
+        assert_eq!(tok.decode(ids, false).unwrap(), text, "{text:?} round trip");
+    }
+}
+
+#[test]
 fn greedy_answer_to_the_capital_of_france() {
     let (model, tok) = load();
     let prompt = tok
