@@ -115,8 +115,14 @@ fn token_ids_match_llama_cpp_and_round_trip() {
     // (llama-cpp-python: tokenize(text, add_bos=False, special=True)).
     let cases: [(&str, &[u32]); 4] = [
         ("Hello, world!", &[19556, 28, 905, 17]),
-        ("In 2024, 365 days", &[788, 216, 34, 32, 34, 36, 28, 216, 35, 38, 37, 2009]),
-        ("naïve café — 東京", &[3546, 46494, 37366, 1841, 17097, 247, 126, 16736, 122]),
+        (
+            "In 2024, 365 days",
+            &[788, 216, 34, 32, 34, 36, 28, 216, 35, 38, 37, 2009],
+        ),
+        (
+            "naïve café — 東京",
+            &[3546, 46494, 37366, 1841, 17097, 247, 126, 16736, 122],
+        ),
         ("<|im_start|>user\nHi<|im_end|>", &[1, 4093, 198, 26843, 2]),
     ];
     for (text, ids) in cases {

@@ -29,13 +29,16 @@ fn has_avx2() -> bool {
 /// CPU has them and for the baseline otherwise.
 macro_rules! dispatch {
     ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) $body:block) => {
+        dispatch!($(#[$doc])* fn $name($($arg: $ty),*) -> f32 $body);
+    };
+    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty $body:block) => {
         $(#[$doc])*
-        pub fn $name($($arg: $ty),*) -> f32 {
+        pub fn $name($($arg: $ty),*) -> $ret {
             #[inline(always)]
-            fn body($($arg: $ty),*) -> f32 $body
+            fn body($($arg: $ty),*) -> $ret $body
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx2,fma")]
-            fn avx2($($arg: $ty),*) -> f32 {
+            fn avx2($($arg: $ty),*) -> $ret {
                 body($($arg),*)
             }
             #[cfg(target_arch = "x86_64")]
@@ -107,6 +110,33 @@ dispatch! {
             }
         }
         acc.iter().sum::<f32>()
+    }
+}
+
+dispatch! {
+    /// Dequantizes Q4_1 blocks into `out` (32 weights per block).
+    fn dequant_q4_1(scales: &[f32], mins: &[f32], qs: &[u8], out: &mut [f32]) -> () {
+        for (b, (&d, &m)) in scales.iter().zip(mins).enumerate() {
+            let q = &qs[b * 16..b * 16 + 16];
+            let o = &mut out[b * 32..b * 32 + 32];
+            for j in 0..16 {
+                o[j] = f32::from(q[j] & 0x0f) * d + m;
+                o[j + 16] = f32::from(q[j] >> 4) * d + m;
+            }
+        }
+    }
+}
+
+dispatch! {
+    /// Dequantizes Q8_0 blocks into `out` (32 weights per block).
+    fn dequant_q8_0(scales: &[f32], qs: &[i8], out: &mut [f32]) -> () {
+        for (b, &d) in scales.iter().enumerate() {
+            let q = &qs[b * 32..b * 32 + 32];
+            let o = &mut out[b * 32..b * 32 + 32];
+            for j in 0..32 {
+                o[j] = f32::from(q[j]) * d;
+            }
+        }
     }
 }
 
@@ -194,32 +224,29 @@ impl Weight {
         out
     }
 
-    /// Row `r`, dequantized into `out` (cleared first).
+    /// Row `r`, dequantized into `out` (resized to the row).
     pub fn row_into(&self, r: usize, out: &mut Vec<f32>) {
-        out.clear();
         match self {
-            Weight::F32(m) => out.extend_from_slice(m.row(r)),
+            Weight::F32(m) => {
+                out.clear();
+                out.extend_from_slice(m.row(r));
+            }
             Weight::Quant { cols, quant, .. } => {
+                out.resize(*cols, 0.0);
                 let nb = cols / 32;
+                let blocks = r * nb..(r + 1) * nb;
                 match quant {
-                    Quant::Q4_1 { scales, mins, qs } => {
-                        for b in r * nb..(r + 1) * nb {
-                            let q = &qs[b * 16..b * 16 + 16];
-                            out.extend(
-                                q.iter().map(|&v| f32::from(v & 0x0f) * scales[b] + mins[b]),
-                            );
-                            out.extend(q.iter().map(|&v| f32::from(v >> 4) * scales[b] + mins[b]));
-                        }
-                    }
-                    Quant::Q8_0 { scales, qs } => {
-                        for b in r * nb..(r + 1) * nb {
-                            out.extend(
-                                qs[b * 32..b * 32 + 32]
-                                    .iter()
-                                    .map(|&v| f32::from(v) * scales[b]),
-                            );
-                        }
-                    }
+                    Quant::Q4_1 { scales, mins, qs } => dequant_q4_1(
+                        &scales[blocks.clone()],
+                        &mins[blocks.clone()],
+                        &qs[blocks.start * 16..blocks.end * 16],
+                        out,
+                    ),
+                    Quant::Q8_0 { scales, qs } => dequant_q8_0(
+                        &scales[blocks.clone()],
+                        &qs[blocks.start * 32..blocks.end * 32],
+                        out,
+                    ),
                 }
             }
         }

@@ -456,7 +456,10 @@ impl Core {
                 }
             })
             .collect();
-        let mut logits = self.model.forward(&mut self.storage, &chunks);
+        // Run the forward pass on a pool thread: its many short parallel loops
+        // then start without waking this thread in between.
+        let (model, storage) = (&self.model, &mut self.storage);
+        let mut logits = rayon::scope(|_| model.forward(storage, &chunks));
 
         let mut done: Vec<(usize, FinishReason)> = Vec::new();
         for (&(i, take), logits) in plan.iter().zip(logits.iter_mut()) {
