@@ -213,11 +213,22 @@ fn run() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `--model`, else `$SLUICE_MODEL`, else the model `make model` fetches.
+/// `--model`, else `$SLUICE_MODEL`, else the model `make model` fetches: in
+/// the current folder's `.cache`, or in the checkout this binary was built in
+/// (`target/release/sluice` -> the repository root).
 fn model_path(model: Option<PathBuf>) -> PathBuf {
-    model
-        .or_else(|| std::env::var_os("SLUICE_MODEL").map(PathBuf::from))
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL))
+    if let Some(path) = model.or_else(|| std::env::var_os("SLUICE_MODEL").map(PathBuf::from)) {
+        return path;
+    }
+    let here = PathBuf::from(DEFAULT_MODEL);
+    if here.exists() {
+        return here;
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.ancestors().nth(3).map(|root| root.join(DEFAULT_MODEL)))
+        .filter(|p| p.exists())
+        .unwrap_or(here)
 }
 
 /// `sluice plugins check`: prints the identity and load time, or the refusal.

@@ -77,7 +77,10 @@ impl Engine {
     /// Starts the engine thread.
     pub fn start(model: Arc<Llama>, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Engine {
         let (tx, rx) = mpsc::channel();
-        let load = Arc::new(Mutex::new(Load::default()));
+        let load = Arc::new(Mutex::new(Load {
+            kv_blocks_total: config.kv_blocks,
+            ..Load::default()
+        }));
         let (kv_events, _) = broadcast::channel(4096);
         let cached_hashes = Arc::new(Mutex::new((0, Vec::new())));
         let c = &model.config;

@@ -9,7 +9,7 @@ use half::{bf16, f16};
 /// Why a GGUF file could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}")]
     Io {
         path: String,
         source: std::io::Error,

@@ -121,12 +121,12 @@ pub struct WorkerConfig {
 /// Why a worker could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
-    #[error("cannot load the model {path}: {source}")]
+    #[error("cannot load the model {path}")]
     Model {
         path: String,
         source: crate::model::LoadError,
     },
-    #[error("cannot listen on {addr}: {source}")]
+    #[error("cannot listen on {addr}")]
     Listen {
         addr: SocketAddr,
         source: std::io::Error,

@@ -21,7 +21,7 @@ pub struct EngineBenchOptions {
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineBenchError {
-    #[error("cannot load {path}: {source}")]
+    #[error("cannot load {path}")]
     Model {
         path: String,
         source: sluice_backend::model::LoadError,

@@ -45,7 +45,7 @@ impl Default for PluginBenchOptions {
 /// Errors that stop the benchmark before it measures anything.
 #[derive(Debug, thiserror::Error)]
 pub enum PluginBenchError {
-    #[error("cannot read {path}: {source} (build the plugins with `make plugins`)")]
+    #[error("cannot read {path} (build the plugins with `make plugins`)")]
     Read {
         path: String,
         source: std::io::Error,
