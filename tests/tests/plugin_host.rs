@@ -210,7 +210,15 @@ fn wasi_use_traps() {
 
 #[test]
 fn a_plugin_that_keeps_failing_is_benched_then_tried_again() {
-    let router = router_with("hostile", "mode=trap, worker=1");
+    // A long first bench, so that a busy machine cannot outlast it by accident.
+    let config = HostConfig {
+        breaker_first_bench: Duration::from_millis(500),
+        ..HostConfig::default()
+    };
+    let slot = Arc::new(Slot::<Router>::new(Arc::new(Runtime::new(config).unwrap())));
+    slot.load("hostile", &plugin_wasm("hostile"), "mode=trap, worker=1")
+        .unwrap();
+    let router = WasmRouter::new(slot);
     let f = fleet(3, 4);
     let mut bad = request(5);
     bad.priority = 666;
@@ -225,8 +233,8 @@ fn a_plugin_that_keeps_failing_is_benched_then_tried_again() {
     assert_eq!(router.route_traced(&request(5), &f).1, None);
     assert_eq!(stats.calls.load(Ordering::Relaxed), calls);
     assert_eq!(stats.fallbacks(ErrorClass::Benched), 1);
-    // The first bench is 10 ms; after it the plugin answers again.
-    std::thread::sleep(Duration::from_millis(50));
+    // After the bench the plugin answers again.
+    std::thread::sleep(Duration::from_millis(700));
     assert_eq!(
         router.route_traced(&request(5), &f),
         (RouteDecision::Worker(1), Some(1))

@@ -62,12 +62,6 @@ impl<K> std::fmt::Debug for Pooled<K> {
     }
 }
 
-/// Consecutive failures after which a version is benched.
-const BREAKER_THRESHOLD: u32 = 3;
-/// First bench time; it doubles with each further failure, up to the maximum.
-const BREAKER_FIRST: Duration = Duration::from_millis(10);
-const BREAKER_MAX: Duration = Duration::from_secs(1);
-
 /// One version of one plugin in one slot.
 pub struct Generation<K: PluginKind> {
     pub identity: Arc<PluginIdentity>,
@@ -275,11 +269,13 @@ impl<K: PluginKind> Generation<K> {
         let class = class.unwrap_or(found);
         self.slot.stats.count_fallback(class);
         let in_a_row = self.failures_in_a_row.fetch_add(1, Ordering::Relaxed) + 1;
+        let config = &self.runtime.config;
         let mut benched = Duration::ZERO;
-        if in_a_row >= BREAKER_THRESHOLD {
-            benched = BREAKER_FIRST
-                .saturating_mul(1 << (in_a_row - BREAKER_THRESHOLD).min(16))
-                .min(BREAKER_MAX);
+        if in_a_row >= config.breaker_threshold {
+            benched = config
+                .breaker_first_bench
+                .saturating_mul(1 << (in_a_row - config.breaker_threshold).min(16))
+                .min(config.breaker_max_bench);
             let until = self.runtime.started.elapsed() + benched;
             self.benched_until_ns
                 .store(until.as_nanos() as u64, Ordering::Relaxed);

@@ -38,6 +38,11 @@ pub struct HostConfig {
     pub log_lines_per_sec: f64,
     /// Longest log line kept, in bytes; longer ones are cut.
     pub max_log_line_bytes: usize,
+    /// Failed calls in a row after which a version is benched.
+    pub breaker_threshold: u32,
+    /// First bench time; it doubles with each further failure, up to the max.
+    pub breaker_first_bench: Duration,
+    pub breaker_max_bench: Duration,
 }
 
 impl Default for HostConfig {
@@ -52,6 +57,9 @@ impl Default for HostConfig {
             max_instances: 128,
             log_lines_per_sec: 20.0,
             max_log_line_bytes: 512,
+            breaker_threshold: 3,
+            breaker_first_bench: Duration::from_millis(10),
+            breaker_max_bench: Duration::from_secs(1),
         }
     }
 }
