@@ -2,7 +2,8 @@
 //! batching gives the same greedy tokens as one request at a time, prefixes are
 //! reused, preemption recomputes correctly, stops and cancellation work.
 
-use std::path::PathBuf;
+mod common;
+
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -15,12 +16,7 @@ use sluice_backend::model::{ChatMessage, Gguf, Llama, Tokenizer};
 fn model() -> &'static (Arc<Llama>, Arc<Tokenizer>) {
     static MODEL: OnceLock<(Arc<Llama>, Arc<Tokenizer>)> = OnceLock::new();
     MODEL.get_or_init(|| {
-        let path = std::env::var_os("SLUICE_MODEL")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| {
-                PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                    .join("../.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-            });
+        let path = common::model_path();
         let gguf =
             Gguf::open(&path).unwrap_or_else(|e| panic!("{e}. Fetch the model with `make model`"));
         (

@@ -1,22 +1,13 @@
 //! The real model: SmolLM2-135M-Instruct from its GGUF (fetched by `make model`),
 //! tokenized, templated and run greedily on the CPU.
 
-use std::path::PathBuf;
+mod common;
 
 use sluice_backend::kv::KvStorage;
 use sluice_backend::model::{ChatMessage, Gguf, Llama, Logits, SeqChunk, Tokenizer};
 
-fn model_path() -> PathBuf {
-    std::env::var_os("SLUICE_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        })
-}
-
 fn load() -> (Llama, Tokenizer) {
-    let path = model_path();
+    let path = common::model_path();
     let gguf = Gguf::open(&path)
         .unwrap_or_else(|e| panic!("{e}. Fetch the model with `make model` (or set SLUICE_MODEL)"));
     (

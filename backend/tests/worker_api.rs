@@ -2,7 +2,8 @@
 //! real HTTP: OpenAI chat and completions (streaming and not), errors, the
 //! internal token endpoint, the event stream, health and metrics.
 
-use std::path::PathBuf;
+mod common;
+
 use std::sync::Arc;
 
 use serde_json::{Value, json};
@@ -11,12 +12,7 @@ use sluice_backend::server::{WorkerState, serve};
 
 /// Starts a worker on 127.0.0.1:<free port>; returns its base URL.
 async fn start() -> String {
-    let path = std::env::var_os("SLUICE_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
+    let path = common::model_path();
     let loaded = sluice_backend::model::load(&path)
         .unwrap_or_else(|e| panic!("{e}. Fetch the model with `make model`"));
     let engine = Engine::start(
