@@ -202,13 +202,14 @@ impl<K: PluginKind> Generation<K> {
         call: impl FnOnce(&mut Pooled<K>) -> Result<R, CallFailure>,
     ) -> Result<R, ErrorClass> {
         let stats = &self.slot.stats;
-        let now_ns = self.runtime.started.elapsed().as_nanos() as u64;
+        // One clock read serves the breaker check and the call's timing.
+        let started = Instant::now();
+        let now_ns = started.duration_since(self.runtime.started).as_nanos() as u64;
         if now_ns < self.benched_until_ns.load(Ordering::Relaxed) {
             stats.count_fallback(ErrorClass::Benched);
             return Err(ErrorClass::Benched);
         }
         stats.calls.fetch_add(1, Ordering::Relaxed);
-        let started = Instant::now();
         let pooled = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
         let mut pooled = match pooled {
             Some(p) => p,
