@@ -74,7 +74,7 @@ fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<GenerateEvent>) -> Outco
                 out.usage = usage;
                 break;
             }
-            GenerateEvent::Error { message } => panic!("engine error: {message}"),
+            GenerateEvent::Error { message, .. } => panic!("engine error: {message}"),
         }
     }
     out
@@ -218,7 +218,9 @@ fn bad_requests_get_an_error_event() {
     ));
     let (_, mut rx) = e.submit(greedy(vec![1, 999_999], 4));
     match rx.blocking_recv() {
-        Some(GenerateEvent::Error { message }) => assert!(message.contains("999999"), "{message}"),
+        Some(GenerateEvent::Error { message, .. }) => {
+            assert!(message.contains("999999"), "{message}")
+        }
         other => panic!("{other:?}"),
     }
 }

@@ -1,7 +1,7 @@
-//! The `sluice` command: `sluice worker` serves a model with sluice's own engine;
+//! The `sluice` command: `sluice serve` runs the gateway (by default with an
+//! in-process worker); `sluice worker` serves a model with sluice's own engine;
 //! `sluice plugins check` loads a plugin component the way the gateway does and
-//! reports the verdict; `sluice bench plugins` measures the Wasm policy host.
-//! (`sluice serve`, the gateway, comes next.)
+//! reports the verdict; `sluice bench` measures the parts.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -16,7 +16,9 @@ use sluice_gateway::bench::{
 
 /// Where `make model` puts SmolLM2-135M-Instruct.
 const DEFAULT_MODEL: &str = ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+use sluice_gateway::config::ProcessEnv;
 use sluice_gateway::plugins::{Admission, Cache, HostConfig, PluginKind, Router, Runtime, Slot};
+use sluice_gateway::{Config, Gateway};
 
 #[derive(Parser)]
 #[command(
@@ -31,6 +33,28 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the gateway. Without a config: the OpenAI API on 127.0.0.1:8080
+    /// in front of one in-process worker serving SmolLM2 (`--workers N` for N).
+    Serve {
+        /// A TOML config (see README); flags below override it.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Where to listen [default: 127.0.0.1:8080]
+        #[arg(long)]
+        listen: Option<std::net::SocketAddr>,
+        /// The served model [default: as `sluice worker`]
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// In-process workers [default: 1 when no worker is configured]
+        #[arg(long)]
+        workers: Option<u32>,
+        /// A worker's base URL (repeatable).
+        #[arg(long = "worker")]
+        worker_urls: Vec<String>,
+        /// Folder of plugin components (`router.wasm`, ...), watched for changes.
+        #[arg(long)]
+        plugins_dir: Option<PathBuf>,
+    },
     /// Serve a model: the OpenAI API, the internal token API and the event stream.
     Worker {
         /// A GGUF model file [default: $SLUICE_MODEL, else the SmolLM2 that
@@ -53,6 +77,13 @@ enum Command {
         /// Tokens per engine step (decode tokens plus prefill chunks).
         #[arg(long, default_value_t = 256)]
         step_tokens: usize,
+        /// A gateway to register with (base URL); the admin token comes from
+        /// $SLUICE_ADMIN_TOKEN.
+        #[arg(long)]
+        register: Option<String>,
+        /// The URL the gateway should reach this worker at.
+        #[arg(long)]
+        advertise: Option<String>,
     },
     /// Work with policy plugin components.
     Plugins {
@@ -147,8 +178,13 @@ fn run() -> anyhow::Result<()> {
             kv_blocks,
             max_running,
             step_tokens,
+            register,
+            advertise,
         } => {
             let config = WorkerConfig {
+                register,
+                advertise,
+                register_token: std::env::var("SLUICE_ADMIN_TOKEN").ok(),
                 model: model_path(model),
                 addr: std::net::SocketAddr::new(host, port),
                 served_name: served_model_name,
@@ -160,6 +196,42 @@ fn run() -> anyhow::Result<()> {
                 },
             };
             tokio::runtime::Runtime::new()?.block_on(run_worker(config))?;
+        }
+        Command::Serve {
+            config,
+            listen,
+            model,
+            workers,
+            worker_urls,
+            plugins_dir,
+        } => {
+            let mut config = match config {
+                Some(path) => Config::from_file(&path)?,
+                None => Config::default(),
+            };
+            if let Some(listen) = listen {
+                config.listen = listen;
+            }
+            config.model = Some(model_path(model.or(config.model.take())));
+            config.workers.extend(worker_urls);
+            if let Some(dir) = plugins_dir {
+                config.plugins_dir = Some(dir);
+            }
+            match workers {
+                Some(n) => config.embedded_workers = n,
+                None if config.workers.is_empty() && config.embedded_workers == 0 => {
+                    config.embedded_workers = 1;
+                }
+                None => {}
+            }
+            config.apply_env(&ProcessEnv)?;
+            tokio::runtime::Runtime::new()?.block_on(async {
+                let running = Gateway::start(config)
+                    .await
+                    .map_err(|e| anyhow::anyhow!(sluice_gateway::error_chain(&e)))?;
+                running.server.await??;
+                anyhow::Ok(())
+            })?;
         }
         Command::Plugins {
             which: Plugins::Check { file, kind, config },

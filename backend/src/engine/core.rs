@@ -139,6 +139,7 @@ impl Engine {
         {
             let _ = out.send(GenerateEvent::Error {
                 message: "the engine has stopped".into(),
+                status: Some(503),
             });
         }
         (id, rx)
@@ -283,7 +284,10 @@ impl Core {
                     request.sampling.validate().err()
                 };
                 if let Some(message) = problem {
-                    let _ = out.send(GenerateEvent::Error { message });
+                    let _ = out.send(GenerateEvent::Error {
+                        message,
+                        status: None,
+                    });
                     return;
                 }
                 let seed = request

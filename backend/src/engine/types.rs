@@ -95,9 +95,13 @@ pub enum GenerateEvent {
         text: String,
         usage: Usage,
     },
-    /// The request could not run (prompt longer than the context or the cache).
+    /// The request could not run (prompt longer than the context or the cache),
+    /// or (from the gateway) its worker failed or timed out.
     Error {
         message: String,
+        /// The HTTP status a non-streaming answer gets; absent = 400.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        status: Option<u16>,
     },
 }
 

@@ -50,20 +50,49 @@ pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
         });
     }
     let gguf = Gguf::open(path)?;
-    let llama = Llama::from_gguf(&gguf)?;
-    let tokenizer = Tokenizer::from_gguf(&gguf)?;
+    Ok(LoadedModel {
+        llama: Llama::from_gguf(&gguf)?,
+        tokenizer: Tokenizer::from_gguf(&gguf)?,
+        name: gguf_model_name(path),
+    })
+}
+
+/// What a front door needs of a model, without its weights.
+#[derive(Debug)]
+pub struct ModelInfo {
+    pub config: LlamaConfig,
+    pub tokenizer: Tokenizer,
+    pub name: String,
+}
+
+/// Reads a model's config, tokenizer and name (as [`load`] names it); a GGUF
+/// file's weights are not read.
+pub fn describe(path: &Path) -> Result<ModelInfo, LoadError> {
+    if path.is_dir() {
+        let loaded = load(path)?;
+        return Ok(ModelInfo {
+            config: loaded.llama.config.clone(),
+            tokenizer: loaded.tokenizer,
+            name: loaded.name,
+        });
+    }
+    let gguf = Gguf::open(path)?;
+    Ok(ModelInfo {
+        config: LlamaConfig::from_gguf(&gguf)?,
+        tokenizer: Tokenizer::from_gguf(&gguf)?,
+        name: gguf_model_name(path),
+    })
+}
+
+/// A GGUF file's stem without a quantization suffix.
+fn gguf_model_name(path: &Path) -> String {
     let stem = path
         .file_stem()
         .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
-    let name = match stem.rsplit_once('.') {
+    match stem.rsplit_once('.') {
         Some((base, quant)) if quant.starts_with(['Q', 'q', 'F', 'f', 'B', 'b']) => {
             base.to_string()
         }
         _ => stem,
-    };
-    Ok(LoadedModel {
-        llama,
-        tokenizer,
-        name,
-    })
+    }
 }

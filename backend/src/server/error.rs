@@ -39,6 +39,23 @@ impl ApiError {
         }
     }
 
+    /// A path nothing answers.
+    pub fn not_found_path() -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: "no such endpoint".into(),
+            param: None,
+        }
+    }
+
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::UNAUTHORIZED,
+            message: message.into(),
+            param: None,
+        }
+    }
+
     /// OpenAI's `type` for the status.
     pub fn kind(&self) -> &'static str {
         match self.status.as_u16() {
@@ -47,7 +64,7 @@ impl ApiError {
             403 => "permission_error",
             404 => "not_found_error",
             429 => "rate_limit_error",
-            503 => "service_unavailable",
+            502 | 503 | 504 => "service_unavailable",
             _ => "server_error",
         }
     }

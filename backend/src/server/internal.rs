@@ -17,9 +17,9 @@ use serde_json::json;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::{BroadcastStream, IntervalStream, UnboundedReceiverStream};
 
-use super::WorkerState;
 use super::error::ApiError;
 use super::openai::parse;
+use super::{MAX_BODY_BYTES, WorkerState};
 use crate::engine::{GenerateEvent, GenerateRequest};
 
 /// `POST /internal/generate`: a [`GenerateRequest`] as JSON (token ids, sampling,
@@ -29,7 +29,7 @@ pub async fn generate(
     State(state): State<Arc<WorkerState>>,
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
-    let request: GenerateRequest = parse(body).await?;
+    let request: GenerateRequest = parse(body, MAX_BODY_BYTES).await?;
     state.metrics.requests.fetch_add(1, Ordering::Relaxed);
     let (_, rx) = state.engine.submit(request);
     let metrics_state = state.clone();

@@ -4,7 +4,8 @@
 
 mod error;
 mod internal;
-mod openai;
+pub mod openai;
+mod v1;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -16,6 +17,7 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 
 pub use error::ApiError;
+pub use openai::Frontend;
 
 use crate::engine::{Engine, Usage};
 
@@ -46,6 +48,8 @@ impl Metrics {
 #[derive(Debug)]
 pub struct WorkerState {
     pub engine: Arc<Engine>,
+    /// The OpenAI layer over this worker's model.
+    pub frontend: Arc<Frontend>,
     /// The name clients use in `model`.
     pub model_name: String,
     /// A per-process tag for response ids.
@@ -59,8 +63,17 @@ impl WorkerState {
         let started_unix = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
+        let frontend = Arc::new(Frontend {
+            model_name: model_name.clone(),
+            tokenizer: engine.tokenizer.clone(),
+            context: engine.model.config.context,
+            vocab: engine.model.config.vocab as u32,
+            created: started_unix,
+            max_tokens_limit: None,
+        });
         Self {
             engine,
+            frontend,
             model_name,
             instance: format!("{:x}", started_unix ^ u64::from(std::process::id())),
             started_unix,
@@ -72,21 +85,15 @@ impl WorkerState {
 /// The worker's routes.
 pub fn router(state: Arc<WorkerState>) -> Router {
     Router::new()
-        .route("/v1/chat/completions", post(openai::chat_completions))
-        .route("/v1/completions", post(openai::completions))
-        .route("/v1/models", get(openai::models))
+        .route("/v1/chat/completions", post(v1::chat_completions))
+        .route("/v1/completions", post(v1::completions))
+        .route("/v1/models", get(v1::models))
         .route("/internal/generate", post(internal::generate))
         .route("/internal/kv", get(internal::kv_snapshot))
         .route("/events", get(internal::events))
         .route("/health", get(internal::health))
         .route("/metrics", get(internal::metrics))
-        .fallback(|| async {
-            ApiError {
-                status: axum::http::StatusCode::NOT_FOUND,
-                message: "no such endpoint".into(),
-                param: None,
-            }
-        })
+        .fallback(|| async { ApiError::not_found_path() })
         // Handlers read bodies themselves, up to MAX_BODY_BYTES, to answer an
         // oversize one with an OpenAI-shaped 413.
         .layer(DefaultBodyLimit::disable())
@@ -116,6 +123,13 @@ pub struct WorkerConfig {
     pub addr: SocketAddr,
     pub served_name: Option<String>,
     pub engine: crate::engine::EngineConfig,
+    /// A gateway to register with (its base URL), again every few seconds.
+    pub register: Option<String>,
+    /// The URL the gateway should use for this worker; default
+    /// `http://<listen address>` (with 127.0.0.1 for an unspecified host).
+    pub advertise: Option<String>,
+    /// The gateway's admin token, for registering.
+    pub register_token: Option<String>,
 }
 
 /// Why a worker could not start.
@@ -161,5 +175,50 @@ pub async fn run_worker(config: WorkerConfig) -> Result<(), WorkerError> {
             addr: config.addr,
             source,
         })?;
+    if let Some(gateway) = config.register.clone() {
+        let local = listener.local_addr().map_err(WorkerError::Serve)?;
+        let advertise = config.advertise.clone().unwrap_or_else(|| {
+            let ip = if local.ip().is_unspecified() {
+                std::net::IpAddr::from([127, 0, 0, 1])
+            } else {
+                local.ip()
+            };
+            format!("http://{}", SocketAddr::new(ip, local.port()))
+        });
+        tokio::spawn(register(gateway, advertise, config.register_token.clone()));
+    }
     serve(listener, state).await.map_err(WorkerError::Serve)
+}
+
+/// How often a worker registers again (the gateway forgets a registered
+/// worker it cannot reach for its registration TTL).
+const REGISTER_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Registers with the gateway now and every [`REGISTER_EVERY`], logging only
+/// changes between success and failure.
+async fn register(gateway: String, advertise: String, token: Option<String>) {
+    let client = reqwest::Client::new();
+    let url = format!("{}/admin/workers", gateway.trim_end_matches('/'));
+    let mut last_ok: Option<bool> = None;
+    loop {
+        let mut request = client
+            .post(&url)
+            .timeout(std::time::Duration::from_secs(2))
+            .json(&serde_json::json!({"url": advertise}));
+        if let Some(t) = &token {
+            request = request.bearer_auth(t);
+        }
+        let result = match request.send().await {
+            Ok(r) if r.status().is_success() => Ok(()),
+            Ok(r) => Err(format!("it answered {}", r.status())),
+            Err(e) => Err(e.to_string()),
+        };
+        match (&result, last_ok) {
+            (Ok(()), Some(true)) | (Err(_), Some(false)) => {}
+            (Ok(()), _) => tracing::info!(%gateway, %advertise, "registered with the gateway"),
+            (Err(e), _) => tracing::warn!(%gateway, error = %e, "cannot register with the gateway"),
+        }
+        last_ok = Some(result.is_ok());
+        tokio::time::sleep(REGISTER_EVERY).await;
+    }
 }

@@ -78,7 +78,7 @@ fn decode_rate(
                     *slot = None;
                     done += 1;
                 }
-                Ok(GenerateEvent::Error { message }) => {
+                Ok(GenerateEvent::Error { message, .. }) => {
                     return Err(EngineBenchError::Engine(message));
                 }
                 Ok(GenerateEvent::Started { .. }) => {}

@@ -290,6 +290,10 @@ impl WasmAdmission {
             fallback: policy::AdmitAll,
         }
     }
+
+    pub fn slot(&self) -> &Arc<Slot<Admission>> {
+        &self.slot
+    }
 }
 
 impl AdmissionPolicy for WasmAdmission {
@@ -382,6 +386,10 @@ impl WasmCachePolicy {
             slot,
             fallback: policy::LruCache,
         }
+    }
+
+    pub fn slot(&self) -> &Arc<Slot<Cache>> {
+        &self.slot
     }
 }
 

@@ -1,0 +1,182 @@
+//! The OpenAI endpoints: each request goes through the stages in order —
+//! auth, parse and preprocess, admission, then the upstream relay — and is
+//! answered by the OpenAI layer shared with the worker. Response headers say
+//! which worker served it and how many prompt blocks were cached there.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::Value;
+use sluice_backend::server::ApiError;
+use sluice_backend::server::openai::{ChatRequest, CompletionRequest, Kind, Prepared, parse};
+
+use super::auth;
+use crate::admission::Ticket;
+use crate::gateway::Gateway;
+use crate::policy::{AdmissionPolicy, AdmitDecision};
+use crate::preprocess::{Preprocessed, preprocess};
+use crate::telemetry::{RequestOutcome, TraceContext};
+use crate::upstream::{self, Job};
+
+/// The worker that served a request.
+pub const WORKER_HEADER: &str = "x-sluice-worker";
+/// Prompt blocks already cached on that worker.
+pub const CACHED_BLOCKS_HEADER: &str = "x-sluice-cached-blocks";
+
+pub async fn chat_completions(
+    State(gateway): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    handle(gateway, Kind::Chat, headers, body).await
+}
+
+pub async fn completions(
+    State(gateway): State<Arc<Gateway>>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    handle(gateway, Kind::Completion, headers, body).await
+}
+
+pub async fn models(State(gateway): State<Arc<Gateway>>, headers: HeaderMap) -> Response {
+    match auth::caller(&gateway, &headers) {
+        Ok(_) => Json::<Value>(gateway.frontend.models()).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// One request, start to answer; errors before the relay are counted here.
+async fn handle(
+    gateway: Arc<Gateway>,
+    kind: Kind,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    let arrived = Instant::now();
+    match answer(&gateway, kind, &headers, body, arrived).await {
+        Ok(response) => response,
+        Err((outcome, error)) => {
+            gateway
+                .metrics
+                .request_done(outcome, arrived.elapsed().as_secs_f64());
+            if error.status.is_server_error() {
+                tracing::warn!(status = error.status.as_u16(), error = %error.message, "request failed");
+            }
+            error.into_response()
+        }
+    }
+}
+
+type Failure = (RequestOutcome, ApiError);
+
+fn invalid(e: ApiError) -> Failure {
+    (RequestOutcome::invalid, e)
+}
+
+async fn answer(
+    gateway: &Arc<Gateway>,
+    kind: Kind,
+    headers: &HeaderMap,
+    body: axum::body::Body,
+    arrived: Instant,
+) -> Result<Response, Failure> {
+    let caller = auth::caller(gateway, headers).map_err(invalid)?;
+    let limit = gateway.config.limits.max_body_bytes;
+    let prepared: Prepared = match kind {
+        Kind::Chat => {
+            let request: ChatRequest = parse(body, limit).await.map_err(invalid)?;
+            gateway.frontend.chat(&request).map_err(invalid)?
+        }
+        Kind::Completion => {
+            let request: CompletionRequest = parse(body, limit).await.map_err(invalid)?;
+            gateway.frontend.completion(&request).map_err(invalid)?
+        }
+    };
+    let pre = preprocess(
+        prepared,
+        &caller,
+        gateway.config.block_size,
+        &gateway.policies.cache,
+    );
+    let deadline = arrived + gateway.config.limits.request_timeout();
+    let ticket = admit(gateway, &pre, deadline).await?;
+    let Preprocessed {
+        prepared,
+        view,
+        hashes,
+    } = pre;
+    let reply = prepared.reply;
+    let trace = TraceContext::from_header(headers.get("traceparent").and_then(|v| v.to_str().ok()));
+    let body = serde_json::to_vec(&prepared.generate)
+        .map_err(|e| (RequestOutcome::failed, ApiError::unavailable(e.to_string())))?;
+    let job = Job {
+        body: body.into(),
+        view,
+        hashes,
+        stream: reply.stream,
+        trace,
+        arrived,
+        deadline,
+        ticket,
+    };
+    let (head, events) = upstream::start(gateway.clone(), job);
+    // The relay counts every outcome from here on.
+    let head = match head.await {
+        Ok(Ok(head)) => head,
+        Ok(Err(e)) => return Ok(e.into_response()),
+        Err(_) => return Ok(ApiError::unavailable("the request was dropped").into_response()),
+    };
+    let id = format!(
+        "{}-{}-{}",
+        kind.id_prefix(),
+        gateway.instance,
+        gateway.next_request.fetch_add(1, Ordering::Relaxed)
+    );
+    tracing::debug!(%id, worker = head.worker, cached_blocks = head.cached_blocks, router_version = ?head.router_version, trace = %format!("{:032x}", trace.trace_id), "routed");
+    let mut response = match gateway.frontend.respond(reply, id, events, |_| {}).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    };
+    let h = response.headers_mut();
+    h.insert(WORKER_HEADER, HeaderValue::from(head.worker));
+    h.insert(CACHED_BLOCKS_HEADER, HeaderValue::from(head.cached_blocks));
+    Ok(response)
+}
+
+/// Asks the admission policy; waits in the queue if it says so.
+async fn admit(
+    gateway: &Arc<Gateway>,
+    pre: &Preprocessed,
+    deadline: Instant,
+) -> Result<Ticket, Failure> {
+    let queue = &gateway.queue;
+    queue.set_capacity(gateway.capacity());
+    let saturation = gateway.fleet.saturation(queue.waiting());
+    match gateway.policies.admission.admit(&pre.view, &saturation) {
+        AdmitDecision::Admit => Ok(queue.admit()),
+        AdmitDecision::Queue(priority) => queue.enqueue(priority, deadline).await.map_err(|e| {
+            (
+                RequestOutcome::rejected,
+                ApiError {
+                    status: StatusCode::TOO_MANY_REQUESTS,
+                    message: e.to_string(),
+                    param: None,
+                },
+            )
+        }),
+        AdmitDecision::Reject(r) => Err((
+            RequestOutcome::rejected,
+            ApiError {
+                status: StatusCode::from_u16(r.status).unwrap_or(StatusCode::TOO_MANY_REQUESTS),
+                message: r.message,
+                param: None,
+            },
+        )),
+    }
+}

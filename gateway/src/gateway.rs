@@ -1,0 +1,282 @@
+//! The assembled gateway: the state every stage shares, built from a
+//! [`Config`] ([`Gateway::start`]), and the HTTP server in front of it.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use sluice_backend::server::Frontend;
+
+use crate::admission::AdmissionQueue;
+use crate::config::Config;
+use crate::plugins::{self, HostConfig, Runtime, Slot, WasmAdmission, WasmCachePolicy, WasmRouter};
+use crate::routing::{Fleet, Origin};
+use crate::telemetry::Metrics;
+
+/// Why the gateway could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("no model: set `model` in the config (or pass --model)")]
+    NoModel,
+    #[error("cannot load the model {path}")]
+    Model {
+        path: String,
+        source: sluice_backend::model::LoadError,
+    },
+    #[error("cannot start the plugin runtime: {0}")]
+    Runtime(String),
+    #[error("cannot load plugin {path}")]
+    Plugin {
+        path: String,
+        source: plugins::LoadError,
+    },
+    #[error("cannot read {path}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("cannot listen on {addr}")]
+    Listen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot start embedded worker {index}")]
+    Worker { index: u32, source: std::io::Error },
+    #[error("cannot build the HTTP client: {0}")]
+    Client(#[from] reqwest::Error),
+}
+
+/// The three plugin slots, each behind its policy trait with a built-in fallback.
+#[derive(Debug)]
+pub struct Policies {
+    pub runtime: Arc<Runtime>,
+    pub router: WasmRouter,
+    pub admission: WasmAdmission,
+    pub cache: WasmCachePolicy,
+}
+
+impl Policies {
+    pub fn new() -> Result<Self, StartError> {
+        let runtime = Arc::new(
+            Runtime::new(HostConfig::default())
+                .map_err(|e| StartError::Runtime(format!("{e:#}")))?,
+        );
+        Ok(Self {
+            router: WasmRouter::new(Arc::new(Slot::new(runtime.clone()))),
+            admission: WasmAdmission::new(Arc::new(Slot::new(runtime.clone()))),
+            cache: WasmCachePolicy::new(Arc::new(Slot::new(runtime.clone()))),
+            runtime,
+        })
+    }
+
+    /// Every slot's status, in a fixed order.
+    pub fn status(&self) -> Vec<plugins::SlotStatus> {
+        vec![
+            self.router.slot().status(),
+            self.admission.slot().status(),
+            self.cache.slot().status(),
+        ]
+    }
+}
+
+/// Everything the request path, the admin API and the monitors share.
+#[derive(Debug)]
+pub struct Gateway {
+    pub config: Config,
+    /// The OpenAI layer over the served model (the worker's code).
+    pub frontend: Arc<Frontend>,
+    pub fleet: Arc<Fleet>,
+    pub policies: Policies,
+    pub queue: Arc<AdmissionQueue>,
+    pub metrics: Metrics,
+    /// Talks to workers.
+    pub client: reqwest::Client,
+    /// The `/admin` bearer token.
+    pub admin_token: String,
+    /// Response ids: `<prefix>-<instance>-<n>`.
+    pub instance: String,
+    pub next_request: AtomicU64,
+}
+
+/// A running gateway.
+#[derive(Debug)]
+pub struct Running {
+    pub gateway: Arc<Gateway>,
+    pub addr: SocketAddr,
+    /// Ends when the server stops.
+    pub server: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Gateway {
+    /// Loads the model's tokenizer, the plugins, starts embedded workers and
+    /// the fleet's monitors, and serves on `config.listen`.
+    pub async fn start(config: Config) -> Result<Running, StartError> {
+        let model_path = config.model.clone().ok_or(StartError::NoModel)?;
+        let load_error = |source| StartError::Model {
+            path: model_path.display().to_string(),
+            source,
+        };
+        let created = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let client = reqwest::Client::builder()
+            .connect_timeout(Duration::from_millis(config.fleet.connect_timeout_ms))
+            .tcp_nodelay(true)
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build()?;
+        let fleet = Arc::new(Fleet::new(config.fleet.clone(), config.block_size));
+        let (frontend, embedded) = if config.embedded_workers > 0 {
+            // One load of the weights serves every embedded worker.
+            let loaded = sluice_backend::model::load(&model_path).map_err(load_error)?;
+            let name = config.served_model_name.clone().unwrap_or(loaded.name);
+            let llama = Arc::new(loaded.llama);
+            let tokenizer = Arc::new(loaded.tokenizer);
+            let frontend = frontend(&config, &name, tokenizer.clone(), &llama.config, created);
+            let mut urls = Vec::new();
+            for index in 0..config.embedded_workers {
+                urls.push(
+                    start_embedded_worker(&config, llama.clone(), tokenizer.clone(), &name)
+                        .await
+                        .map_err(|source| StartError::Worker { index, source })?,
+                );
+            }
+            (frontend, urls)
+        } else {
+            let info = sluice_backend::model::describe(&model_path).map_err(load_error)?;
+            let name = config.served_model_name.clone().unwrap_or(info.name);
+            let frontend = frontend(
+                &config,
+                &name,
+                Arc::new(info.tokenizer),
+                &info.config,
+                created,
+            );
+            (frontend, Vec::new())
+        };
+        let policies = Policies::new()?;
+        if let Some(dir) = &config.plugins_dir {
+            crate::admin::load_plugins_dir(&policies, dir)?;
+        }
+        let admin_token = config.admin_token.clone().unwrap_or_else(|| {
+            let token = format!(
+                "{:016x}{:016x}",
+                crate::telemetry::TraceContext::from_header(None).trace_id,
+                created
+            );
+            tracing::warn!(%token, "no admin token configured; /admin uses this one for this run");
+            token
+        });
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .map_err(|source| StartError::Listen {
+                addr: config.listen,
+                source,
+            })?;
+        let addr = listener.local_addr().map_err(|source| StartError::Listen {
+            addr: config.listen,
+            source,
+        })?;
+        let gateway = Arc::new(Gateway {
+            queue: AdmissionQueue::new(config.limits.max_queued),
+            instance: format!("{:x}", created ^ u64::from(std::process::id())),
+            config,
+            frontend,
+            fleet,
+            policies,
+            metrics: Metrics::new(),
+            client,
+            admin_token,
+            next_request: AtomicU64::new(1),
+        });
+        for url in &embedded {
+            gateway.add_worker(url, Origin::Embedded);
+        }
+        for url in gateway.config.workers.clone() {
+            gateway.add_worker(&url, Origin::Static);
+        }
+        if let Some(dir) = gateway.config.plugins_dir.clone() {
+            crate::admin::watch_plugins_dir(gateway.clone(), dir);
+        }
+        tracing::info!(%addr, model = %gateway.frontend.model_name, workers = gateway.fleet.workers().len(), "gateway listening");
+        let server = tokio::spawn(crate::api::serve(listener, gateway.clone()));
+        Ok(Running {
+            gateway,
+            addr,
+            server,
+        })
+    }
+
+    /// Adds (or refreshes) a worker and starts watching a new one.
+    pub fn add_worker(&self, url: &str, origin: Origin) -> u32 {
+        let (worker, new) = self.fleet.add(url, origin);
+        if new {
+            crate::routing::spawn_monitor(self.fleet.clone(), self.client.clone(), worker.clone());
+        }
+        worker.id
+    }
+
+    /// How many requests may run at once: per healthy worker, by the limits.
+    pub fn capacity(&self) -> u32 {
+        self.fleet
+            .healthy_count()
+            .saturating_mul(self.config.limits.max_running_per_worker)
+    }
+}
+
+fn frontend(
+    config: &Config,
+    name: &str,
+    tokenizer: Arc<sluice_backend::model::Tokenizer>,
+    model: &sluice_backend::model::LlamaConfig,
+    created: u64,
+) -> Arc<Frontend> {
+    Arc::new(Frontend {
+        model_name: name.to_string(),
+        tokenizer,
+        context: model.context,
+        vocab: model.vocab as u32,
+        created,
+        max_tokens_limit: config.limits.max_tokens,
+    })
+}
+
+/// Starts a worker inside this process on a free loopback port; returns its URL.
+async fn start_embedded_worker(
+    config: &Config,
+    llama: Arc<sluice_backend::model::Llama>,
+    tokenizer: Arc<sluice_backend::model::Tokenizer>,
+    name: &str,
+) -> std::io::Result<String> {
+    use sluice_backend::engine::{Engine, EngineConfig};
+    use sluice_backend::server::WorkerState;
+    let engine = Engine::start(
+        llama,
+        tokenizer,
+        EngineConfig {
+            block_size: config.block_size as usize,
+            ..EngineConfig::default()
+        },
+    );
+    let state = Arc::new(WorkerState::new(Arc::new(engine), name.to_string()));
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(async move {
+        if let Err(e) = sluice_backend::server::serve(listener, state).await {
+            tracing::error!(error = %e, "embedded worker stopped");
+        }
+    });
+    Ok(url)
+}
+
+/// An error and its causes on one line: `outer: cause: root cause`.
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(e) = source {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        source = e.source();
+    }
+    text
+}

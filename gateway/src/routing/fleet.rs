@@ -1,0 +1,306 @@
+//! The fleet: the workers the gateway knows (static, self-registered or
+//! embedded), each one's health and load, and the KV index their events feed.
+//! Requests read it lock-free ([`Fleet::candidates`]); one monitor task per
+//! worker ([`super::monitor`]) writes it.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
+
+use arc_swap::ArcSwap;
+use sluice_backend::engine::Load;
+
+use super::kv_index::KvIndex;
+use crate::config::FleetConfig;
+use crate::policy::{FleetSaturation, FleetView, WorkerLoad, WorkerState};
+
+/// How the gateway came to know a worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Origin {
+    /// Listed in the config: kept (and retried) while it is down.
+    Static,
+    /// Registered itself: forgotten when it has been unreachable too long.
+    Registered,
+    /// Runs inside the gateway's process.
+    Embedded,
+}
+
+/// One worker as the gateway sees it.
+#[derive(Debug)]
+pub struct Worker {
+    /// Never reused.
+    pub id: u32,
+    /// Base URL, without a trailing slash.
+    pub url: String,
+    pub origin: Origin,
+    healthy: AtomicBool,
+    /// Set when the worker is removed; its monitor stops.
+    removed: AtomicBool,
+    /// Requests this gateway has running there now.
+    pub in_flight: AtomicU32,
+    /// Requests routed there, ever.
+    pub routed: AtomicU64,
+    /// The worker's last reported load.
+    load: Mutex<Load>,
+    /// When the worker last registered (or was added).
+    registered_at: Mutex<Instant>,
+}
+
+impl Worker {
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Acquire)
+    }
+
+    pub fn is_removed(&self) -> bool {
+        self.removed.load(Ordering::Acquire)
+    }
+
+    pub fn load(&self) -> Load {
+        *self.load.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn set_load(&self, load: Load) {
+        *self.load.lock().unwrap_or_else(|e| e.into_inner()) = load;
+    }
+
+    pub fn registered_at(&self) -> Instant {
+        *self.registered_at.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// What `GET /admin/workers` shows of a worker.
+#[derive(Debug, serde::Serialize)]
+pub struct WorkerStatus {
+    pub id: u32,
+    pub url: String,
+    pub origin: Origin,
+    pub healthy: bool,
+    pub in_flight: u32,
+    pub routed: u64,
+    pub cached_blocks: usize,
+    pub load: Load,
+}
+
+/// The workers and the KV index.
+#[derive(Debug)]
+pub struct Fleet {
+    workers: ArcSwap<Vec<Arc<Worker>>>,
+    /// Serializes changes to `workers`.
+    changing: Mutex<()>,
+    index: RwLock<KvIndex>,
+    next_id: AtomicU32,
+    pub config: FleetConfig,
+    pub block_size: u32,
+}
+
+/// The workers a request may go to, and the view the router sees of them
+/// (same order).
+#[derive(Debug)]
+pub struct Candidates {
+    pub workers: Vec<Arc<Worker>>,
+    pub view: FleetView,
+}
+
+impl Fleet {
+    pub fn new(config: FleetConfig, block_size: u32) -> Self {
+        Self {
+            workers: ArcSwap::from_pointee(Vec::new()),
+            changing: Mutex::new(()),
+            index: RwLock::new(KvIndex::new()),
+            next_id: AtomicU32::new(1),
+            config,
+            block_size,
+        }
+    }
+
+    /// Adds a worker, or (same URL) refreshes its registration. Returns it and
+    /// whether it is new (a new worker needs a monitor).
+    pub fn add(&self, url: &str, origin: Origin) -> (Arc<Worker>, bool) {
+        let url = url.trim_end_matches('/');
+        let _guard = self.changing.lock().unwrap_or_else(|e| e.into_inner());
+        let current = self.workers.load_full();
+        if let Some(w) = current.iter().find(|w| w.url == url) {
+            *w.registered_at.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+            return (w.clone(), false);
+        }
+        let worker = Arc::new(Worker {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            url: url.to_string(),
+            origin,
+            healthy: AtomicBool::new(false),
+            removed: AtomicBool::new(false),
+            in_flight: AtomicU32::new(0),
+            routed: AtomicU64::new(0),
+            load: Mutex::new(Load::default()),
+            registered_at: Mutex::new(Instant::now()),
+        });
+        let mut next = (*current).clone();
+        next.push(worker.clone());
+        self.workers.store(Arc::new(next));
+        tracing::info!(worker = worker.id, url = %worker.url, ?origin, "worker added");
+        (worker, true)
+    }
+
+    /// Forgets a worker; its monitor stops. False if it was not known.
+    pub fn remove(&self, id: u32) -> bool {
+        let _guard = self.changing.lock().unwrap_or_else(|e| e.into_inner());
+        let current = self.workers.load_full();
+        let Some(worker) = current.iter().find(|w| w.id == id) else {
+            return false;
+        };
+        worker.removed.store(true, Ordering::Release);
+        worker.healthy.store(false, Ordering::Release);
+        let next: Vec<_> = current.iter().filter(|w| w.id != id).cloned().collect();
+        self.workers.store(Arc::new(next));
+        self.index_mut().clear_worker(id);
+        tracing::info!(worker = id, url = %worker.url, "worker removed");
+        true
+    }
+
+    pub fn get(&self, id: u32) -> Option<Arc<Worker>> {
+        self.workers.load().iter().find(|w| w.id == id).cloned()
+    }
+
+    pub fn workers(&self) -> Arc<Vec<Arc<Worker>>> {
+        self.workers.load_full()
+    }
+
+    /// Marks a worker in or out of service; taking it out forgets its blocks.
+    pub fn set_healthy(&self, worker: &Worker, healthy: bool) {
+        let was = worker.healthy.swap(healthy, Ordering::AcqRel);
+        if was != healthy {
+            if healthy {
+                tracing::info!(worker = worker.id, url = %worker.url, "worker in service");
+            } else {
+                self.index_mut().clear_worker(worker.id);
+                tracing::warn!(worker = worker.id, url = %worker.url, "worker out of service");
+            }
+        }
+    }
+
+    pub fn index_mut(&self) -> std::sync::RwLockWriteGuard<'_, KvIndex> {
+        self.index.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn index(&self) -> std::sync::RwLockReadGuard<'_, KvIndex> {
+        self.index.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Healthy workers not in `excluded`, with each one's overlap with
+    /// `prompt_hashes`.
+    pub fn candidates(&self, prompt_hashes: &[u64], excluded: &[u32]) -> Candidates {
+        let all = self.workers.load();
+        let workers: Vec<Arc<Worker>> = all
+            .iter()
+            .filter(|w| w.is_healthy() && !excluded.contains(&w.id))
+            .cloned()
+            .collect();
+        let loads: Vec<WorkerLoad> = workers
+            .iter()
+            .map(|w| {
+                let load = w.load();
+                WorkerLoad {
+                    state: WorkerState::new(true, true, true),
+                    id: w.id,
+                    // The gateway's own count is exact and immediate; the
+                    // worker's report lags by up to 250 ms.
+                    active_requests: w.in_flight.load(Ordering::Relaxed),
+                    queued_prefill_tokens: load.queued_prefill_tokens,
+                    kv_blocks_used: load.kv_blocks_used,
+                    kv_blocks_total: load.kv_blocks_total,
+                    overlap_blocks: 0,
+                }
+            })
+            .collect();
+        let mut view = FleetView::from_workers(&loads);
+        if !prompt_hashes.is_empty() && !workers.is_empty() {
+            let overlap = view.overlap_blocks_mut();
+            self.index().overlaps(prompt_hashes, |id, blocks| {
+                if let Some(i) = workers.iter().position(|w| w.id == id) {
+                    overlap[i] = blocks;
+                }
+            });
+        }
+        Candidates { workers, view }
+    }
+
+    /// How loaded the fleet is, for admission.
+    pub fn saturation(&self, queued_requests: u32) -> FleetSaturation {
+        let mut s = FleetSaturation {
+            queued_requests,
+            ..FleetSaturation::default()
+        };
+        for w in self.workers.load().iter().filter(|w| w.is_healthy()) {
+            let load = w.load();
+            s.healthy_workers += 1;
+            s.active_requests += w.in_flight.load(Ordering::Relaxed);
+            s.queued_prefill_tokens += u64::from(load.queued_prefill_tokens);
+            s.kv_blocks_used += u64::from(load.kv_blocks_used);
+            s.kv_blocks_total += u64::from(load.kv_blocks_total);
+        }
+        s
+    }
+
+    pub fn healthy_count(&self) -> u32 {
+        self.workers
+            .load()
+            .iter()
+            .filter(|w| w.is_healthy())
+            .count() as u32
+    }
+
+    pub fn status(&self) -> Vec<WorkerStatus> {
+        let index = self.index();
+        self.workers
+            .load()
+            .iter()
+            .map(|w| WorkerStatus {
+                id: w.id,
+                url: w.url.clone(),
+                origin: w.origin,
+                healthy: w.is_healthy(),
+                in_flight: w.in_flight.load(Ordering::Relaxed),
+                routed: w.routed.load(Ordering::Relaxed),
+                cached_blocks: index.blocks_of(w.id),
+                load: w.load(),
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn candidates_are_healthy_unexcluded_workers_with_their_overlap() {
+        let fleet = Fleet::new(FleetConfig::default(), 16);
+        let (a, new_a) = fleet.add("http://a:1/", Origin::Static);
+        let (b, _) = fleet.add("http://b:1", Origin::Registered);
+        let (c, _) = fleet.add("http://c:1", Origin::Registered);
+        assert!(new_a);
+        let (again, new) = fleet.add("http://a:1", Origin::Static);
+        assert!(!new && again.id == a.id, "same URL, same worker");
+        for w in [&a, &b, &c] {
+            fleet.set_healthy(w, true);
+        }
+        fleet.set_healthy(&c, false);
+        fleet.index_mut().store(b.id, &[1, 2, 3]);
+        fleet.index_mut().store(a.id, &[1]);
+        let got = fleet.candidates(&[1, 2, 9], &[]);
+        assert_eq!(got.view.worker_ids(), [a.id, b.id]);
+        assert_eq!(got.view.overlap_blocks(), [1, 2]);
+        let got = fleet.candidates(&[1, 2], &[b.id]);
+        assert_eq!(got.view.worker_ids(), [a.id]);
+        // Out of service forgets the blocks; removal forgets the worker.
+        fleet.set_healthy(&b, false);
+        fleet.set_healthy(&b, true);
+        assert_eq!(fleet.candidates(&[1, 2], &[]).view.overlap_blocks(), [1, 0]);
+        assert!(fleet.remove(a.id));
+        assert!(!fleet.remove(a.id));
+        assert!(a.is_removed());
+        assert_eq!(fleet.candidates(&[1], &[]).view.worker_ids(), [b.id]);
+        assert_eq!(fleet.saturation(3).healthy_workers, 1);
+    }
+}

@@ -1,0 +1,419 @@
+//! The upstream stage: routes a request to a worker, sends it its token ids
+//! (`POST /internal/generate`), and relays the worker's events to the answer.
+//! Nothing reaches the client before the first token (streaming) or the whole
+//! generation (not streaming), so until then a failed worker is excluded and
+//! the request is routed again; after that, a failure ends the stream with an
+//! error event. Every wait is bounded: the request deadline, and the idle
+//! stream timeout between tokens.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use sluice_backend::engine::{GenerateEvent, Usage};
+use sluice_backend::server::ApiError;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::StreamExt;
+
+use crate::admission::Ticket;
+use crate::gateway::Gateway;
+use crate::policy::{AdmissionPolicy, Completion, Outcome, RequestView, RouteDecision};
+use crate::routing::Worker;
+use crate::telemetry::{RequestOutcome, TraceContext};
+
+/// What the answer's headers say, known once the first token is in.
+#[derive(Clone, Copy, Debug)]
+pub struct Head {
+    pub worker: u32,
+    /// Prompt blocks that were already cached on that worker.
+    pub cached_blocks: u32,
+    /// The router plugin version that chose it; `None` = the built-in policy.
+    pub router_version: Option<u64>,
+}
+
+/// One admitted request on its way to a worker.
+#[derive(Debug)]
+pub struct Job {
+    /// The `/internal/generate` body.
+    pub body: bytes::Bytes,
+    pub view: RequestView,
+    pub hashes: Vec<u64>,
+    pub stream: bool,
+    pub trace: TraceContext,
+    pub arrived: Instant,
+    pub deadline: Instant,
+    pub ticket: Ticket,
+}
+
+/// How one attempt on one worker ended.
+enum Attempt {
+    Finished(Usage),
+    /// Nothing was sent to the client: another worker may take the request.
+    Retry(String),
+    /// The worker refused the request itself (bad input): no retry.
+    Refused(ApiError),
+    /// Failed after the client got the head; the stream ended with an error.
+    Broken(RequestOutcome),
+    ClientGone,
+}
+
+/// Starts the relay; the returned receiver answers with the head (or why the
+/// request failed before any answer), after which `events` carries the rest.
+pub fn start(
+    gateway: Arc<Gateway>,
+    job: Job,
+) -> (
+    oneshot::Receiver<Result<Head, ApiError>>,
+    mpsc::UnboundedReceiver<GenerateEvent>,
+) {
+    let (head_tx, head_rx) = oneshot::channel();
+    let (events_tx, events_rx) = mpsc::unbounded_channel();
+    tokio::spawn(relay(gateway, job, head_tx, events_tx));
+    (head_rx, events_rx)
+}
+
+/// The relay task: route, send, retry before the head, then relay.
+async fn relay(
+    gateway: Arc<Gateway>,
+    job: Job,
+    head_tx: oneshot::Sender<Result<Head, ApiError>>,
+    events: mpsc::UnboundedSender<GenerateEvent>,
+) {
+    let mut out = Output {
+        head: Some(head_tx),
+        events,
+        buffered: Vec::new(),
+        stream: job.stream,
+    };
+    let mut excluded: Vec<u32> = Vec::new();
+    let mut usage = Usage::default();
+    let outcome = loop {
+        if excluded.len() as u32 >= gateway.config.fleet.max_attempts {
+            out.fail(ApiError {
+                status: axum::http::StatusCode::BAD_GATEWAY,
+                message: format!("{} workers failed this request", excluded.len()),
+                param: None,
+            });
+            break RequestOutcome::failed;
+        }
+        let candidates = gateway.fleet.candidates(&job.hashes, &excluded);
+        if candidates.workers.is_empty() {
+            out.fail(ApiError::unavailable(if excluded.is_empty() {
+                "no healthy worker serves this model".to_string()
+            } else {
+                format!("no healthy worker is left after {} failed", excluded.len())
+            }));
+            break RequestOutcome::failed;
+        }
+        let (decision, router_version) = gateway
+            .policies
+            .router
+            .route_traced(&job.view, &candidates.view);
+        let index = match decision {
+            RouteDecision::Worker(i) => i,
+            RouteDecision::Reject(r) => {
+                out.fail(ApiError {
+                    status: axum::http::StatusCode::from_u16(r.status)
+                        .unwrap_or(axum::http::StatusCode::SERVICE_UNAVAILABLE),
+                    message: r.message,
+                    param: None,
+                });
+                break RequestOutcome::rejected;
+            }
+        };
+        let worker = candidates.workers[index].clone();
+        worker.routed.fetch_add(1, Ordering::Relaxed);
+        gateway.metrics.routed(worker.id);
+        let attempt = {
+            let _in_flight = InFlight::enter(&worker);
+            attempt(&gateway, &job, &worker, router_version, &mut out).await
+        };
+        match attempt {
+            Attempt::Finished(u) => {
+                usage = u;
+                break RequestOutcome::success;
+            }
+            Attempt::Retry(why) => {
+                tracing::warn!(worker = worker.id, error = %why, "worker failed before the first token; routing again");
+                gateway.metrics.retried();
+                excluded.push(worker.id);
+            }
+            Attempt::Refused(e) => {
+                out.fail(e);
+                break RequestOutcome::invalid;
+            }
+            Attempt::Broken(outcome) => break outcome,
+            Attempt::ClientGone => break RequestOutcome::cancelled,
+        }
+        if Instant::now() >= job.deadline {
+            out.fail(timeout_error());
+            break RequestOutcome::timeout;
+        }
+    };
+    let elapsed = job.arrived.elapsed();
+    gateway.metrics.request_done(outcome, elapsed.as_secs_f64());
+    gateway.policies.admission.on_complete(&Completion {
+        tenant_id: job.view.tenant_id,
+        session_hash: job.view.session_hash,
+        priority: job.view.priority,
+        prompt_tokens: job.view.prompt_tokens,
+        cached_tokens: usage.cached_tokens,
+        output_tokens: usage.completion_tokens,
+        outcome: match outcome {
+            RequestOutcome::success => Outcome::Success,
+            RequestOutcome::cancelled => Outcome::Cancelled,
+            RequestOutcome::rejected => Outcome::Rejected,
+            _ => Outcome::Failed,
+        },
+        duration_us: elapsed.as_micros() as u64,
+    });
+    drop(job.ticket);
+}
+
+fn timeout_error() -> ApiError {
+    ApiError {
+        status: axum::http::StatusCode::GATEWAY_TIMEOUT,
+        message: "the request timed out".into(),
+        param: None,
+    }
+}
+
+/// Counts a request running on a worker for as long as it lives.
+struct InFlight<'a>(&'a Worker);
+
+impl<'a> InFlight<'a> {
+    fn enter(worker: &'a Worker) -> Self {
+        worker.in_flight.fetch_add(1, Ordering::Relaxed);
+        Self(worker)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Where the relay's output goes: events are held back until the head is
+/// sent, so an attempt can be abandoned without the client seeing it.
+struct Output {
+    head: Option<oneshot::Sender<Result<Head, ApiError>>>,
+    events: mpsc::UnboundedSender<GenerateEvent>,
+    buffered: Vec<GenerateEvent>,
+    stream: bool,
+}
+
+impl Output {
+    fn started(&self) -> bool {
+        self.head.is_none()
+    }
+
+    /// Sends the head and what was held back; false if the client is gone.
+    fn open(&mut self, head: Head) -> bool {
+        let Some(tx) = self.head.take() else {
+            return true;
+        };
+        if tx.send(Ok(head)).is_err() {
+            return false;
+        }
+        self.buffered.drain(..).all(|e| self.events.send(e).is_ok())
+    }
+
+    fn send(&mut self, event: GenerateEvent) -> bool {
+        if self.started() {
+            self.events.send(event).is_ok()
+        } else {
+            self.buffered.push(event);
+            true
+        }
+    }
+
+    /// Fails the request: before the head, with an error answer; after it,
+    /// with an error event.
+    fn fail(&mut self, error: ApiError) {
+        match self.head.take() {
+            Some(tx) => {
+                let _ = tx.send(Err(error));
+            }
+            None => {
+                let _ = self.events.send(GenerateEvent::Error {
+                    message: error.message,
+                    status: Some(error.status.as_u16()),
+                });
+            }
+        }
+    }
+
+    /// Resolves when the client has gone away.
+    async fn client_gone(&mut self) {
+        match &mut self.head {
+            Some(tx) => tx.closed().await,
+            None => self.events.closed().await,
+        }
+    }
+}
+
+/// One try on one worker.
+async fn attempt(
+    gateway: &Gateway,
+    job: &Job,
+    worker: &Worker,
+    router_version: Option<u64>,
+    out: &mut Output,
+) -> Attempt {
+    out.buffered.clear();
+    let request = gateway
+        .client
+        .post(format!("{}/internal/generate", worker.url))
+        .header("content-type", "application/json")
+        .header("traceparent", job.trace.header())
+        .body(job.body.clone())
+        .send();
+    let response = tokio::select! {
+        r = tokio::time::timeout_at(job.deadline.into(), request) => r,
+        () = out.client_gone() => return Attempt::ClientGone,
+    };
+    let response = match response {
+        Err(_) => return Attempt::Broken(timed_out(out)),
+        Ok(Err(e)) => return Attempt::Retry(format!("cannot send: {e}")),
+        Ok(Ok(r)) => r,
+    };
+    let status = response.status();
+    if status.is_server_error() {
+        return Attempt::Retry(format!("it answered {status}"));
+    }
+    if !status.is_success() {
+        let message = response
+            .json::<serde_json::Value>()
+            .await
+            .ok()
+            .and_then(|v| v["error"]["message"].as_str().map(String::from))
+            .unwrap_or_else(|| format!("the worker answered {status}"));
+        return Attempt::Refused(ApiError {
+            status: axum::http::StatusCode::from_u16(status.as_u16())
+                .unwrap_or(axum::http::StatusCode::BAD_GATEWAY),
+            message,
+            param: None,
+        });
+    }
+    let idle = gateway.config.limits.idle_stream_timeout();
+    let block_size = job.view.block_size.max(1);
+    let mut head = Head {
+        worker: worker.id,
+        cached_blocks: 0,
+        router_version,
+    };
+    let mut body = response.bytes_stream();
+    let mut pending: Vec<u8> = Vec::new();
+    let mut last_token: Option<Instant> = None;
+    loop {
+        // Before the first token the request deadline bounds the wait (the
+        // worker may be queueing it); after it, the idle timeout does too.
+        let wait_until = match last_token {
+            None => job.deadline,
+            Some(t) => (t + idle).min(job.deadline),
+        };
+        let chunk = tokio::select! {
+            c = tokio::time::timeout_at(wait_until.into(), body.next()) => c,
+            () = out.client_gone() => return Attempt::ClientGone,
+        };
+        let chunk = match chunk {
+            Err(_) if Instant::now() >= job.deadline || out.started() => {
+                return Attempt::Broken(timed_out(out));
+            }
+            Err(_) => return Attempt::Retry(format!("no token for {idle:?}")),
+            Ok(None) => return lost(out, worker, "its stream ended early".into()),
+            Ok(Some(Err(e))) => return lost(out, worker, format!("its stream broke: {e}")),
+            Ok(Some(Ok(c))) => c,
+        };
+        pending.extend_from_slice(&chunk);
+        while let Some(end) = pending.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = pending.drain(..=end).collect();
+            let event: GenerateEvent = match serde_json::from_slice(&line[..line.len() - 1]) {
+                Ok(e) => e,
+                Err(e) => return lost(out, worker, format!("bad event: {e}")),
+            };
+            match &event {
+                GenerateEvent::Started { cached_tokens, .. } => {
+                    head.cached_blocks = cached_tokens / block_size;
+                    gateway.metrics.kv_blocks(
+                        job.view.prompt_blocks,
+                        head.cached_blocks.min(job.view.prompt_blocks),
+                    );
+                }
+                GenerateEvent::Token(_) => {
+                    let now = Instant::now();
+                    match last_token {
+                        None => gateway
+                            .metrics
+                            .first_token(now.duration_since(job.arrived).as_secs_f64()),
+                        Some(t) => gateway
+                            .metrics
+                            .next_token(now.duration_since(t).as_secs_f64()),
+                    }
+                    last_token = Some(now);
+                }
+                GenerateEvent::Finished { .. } | GenerateEvent::Error { .. } => {}
+            }
+            match event {
+                GenerateEvent::Token(t) => {
+                    let ok = out.send(GenerateEvent::Token(t)) && (!out.stream || out.open(head));
+                    if !ok {
+                        return Attempt::ClientGone;
+                    }
+                }
+                GenerateEvent::Finished {
+                    reason,
+                    text,
+                    usage,
+                } => {
+                    let ok = out.send(GenerateEvent::Finished {
+                        reason,
+                        text,
+                        usage,
+                    }) && out.open(head);
+                    return if ok {
+                        Attempt::Finished(usage)
+                    } else {
+                        Attempt::ClientGone
+                    };
+                }
+                GenerateEvent::Error { message, status } if !out.started() => {
+                    return Attempt::Refused(ApiError {
+                        status: status
+                            .and_then(|s| axum::http::StatusCode::from_u16(s).ok())
+                            .unwrap_or(axum::http::StatusCode::BAD_REQUEST),
+                        message,
+                        param: None,
+                    });
+                }
+                GenerateEvent::Error { message, status } => {
+                    out.send(GenerateEvent::Error { message, status });
+                    return Attempt::Broken(RequestOutcome::failed);
+                }
+                started @ GenerateEvent::Started { .. } => {
+                    out.send(started);
+                }
+            }
+        }
+    }
+}
+
+/// A worker failed mid-request: retry if the client has seen nothing.
+fn lost(out: &mut Output, worker: &Worker, why: String) -> Attempt {
+    if !out.started() {
+        return Attempt::Retry(why);
+    }
+    tracing::warn!(worker = worker.id, error = %why, "worker failed mid-stream");
+    out.fail(ApiError {
+        status: axum::http::StatusCode::BAD_GATEWAY,
+        message: format!("worker {} failed mid-stream: {why}", worker.id),
+        param: None,
+    });
+    Attempt::Broken(RequestOutcome::failed)
+}
+
+fn timed_out(out: &mut Output) -> RequestOutcome {
+    out.fail(timeout_error());
+    RequestOutcome::timeout
+}
