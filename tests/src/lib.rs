@@ -1,5 +1,8 @@
 //! Helpers for sluice's end-to-end tests: where the built plugin components are,
-//! and small fleets and requests to call them with.
+//! small fleets and requests to call them with, and a real gateway with real
+//! worker processes (`cluster`).
+
+pub mod cluster;
 
 use std::path::PathBuf;
 

@@ -64,7 +64,7 @@ impl ApiError {
             403 => "permission_error",
             404 => "not_found_error",
             429 => "rate_limit_error",
-            502 | 503 | 504 => "service_unavailable",
+            502..=504 => "service_unavailable",
             _ => "server_error",
         }
     }

@@ -130,7 +130,7 @@ impl AdmissionQueue {
         priority: i32,
         deadline: Instant,
     ) -> Result<Ticket, QueueError> {
-        let rx = {
+        let (rx, seq) = {
             let mut s = self.lock();
             if s.waiting.is_empty() && s.running < s.capacity {
                 s.running += 1;
@@ -149,23 +149,49 @@ impl AdmissionQueue {
                 seq,
                 wake,
             });
-            rx
+            (rx, seq)
         };
-        let mut rx = rx;
-        let woken = match tokio::time::timeout_at(deadline.into(), &mut rx).await {
-            Ok(result) => result.is_ok(),
-            Err(_) => {
-                // A wake-up may have raced the deadline: it took a place for us.
-                rx.close();
-                rx.try_recv().is_ok()
+        let mut wait = Wait {
+            queue: self,
+            seq,
+            rx,
+            woken: false,
+        };
+        match tokio::time::timeout_at(deadline.into(), &mut wait.rx).await {
+            Ok(Ok(())) => {
+                wait.woken = true;
+                Ok(Ticket {
+                    queue: self.clone(),
+                })
             }
-        };
-        if woken {
-            Ok(Ticket {
-                queue: self.clone(),
-            })
-        } else {
-            Err(QueueError::TimedOut)
+            // Timed out (or the queue went away): `wait`'s drop leaves the queue.
+            _ => Err(QueueError::TimedOut),
+        }
+    }
+}
+
+/// A place in the queue; leaving it (timeout, or the request dropped) takes
+/// the waiter out, and gives back a place that was granted too late.
+struct Wait<'a> {
+    queue: &'a AdmissionQueue,
+    seq: u64,
+    rx: oneshot::Receiver<()>,
+    woken: bool,
+}
+
+impl Drop for Wait<'_> {
+    fn drop(&mut self) {
+        if self.woken {
+            return;
+        }
+        self.rx.close();
+        let granted = self.rx.try_recv().is_ok();
+        let mut s = self.queue.lock();
+        let seq = self.seq;
+        s.waiting.retain(|w| w.seq != seq);
+        if granted {
+            s.running = s.running.saturating_sub(1);
+            s.release_waiters();
         }
     }
 }

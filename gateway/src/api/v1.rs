@@ -27,6 +27,8 @@ use crate::upstream::{self, Job};
 pub const WORKER_HEADER: &str = "x-sluice-worker";
 /// Prompt blocks already cached on that worker.
 pub const CACHED_BLOCKS_HEADER: &str = "x-sluice-cached-blocks";
+/// The router plugin version that chose the worker, or `builtin`.
+pub const ROUTER_HEADER: &str = "x-sluice-router-version";
 
 pub async fn chat_completions(
     State(gateway): State<Arc<Gateway>>,
@@ -146,6 +148,13 @@ async fn answer(
     let h = response.headers_mut();
     h.insert(WORKER_HEADER, HeaderValue::from(head.worker));
     h.insert(CACHED_BLOCKS_HEADER, HeaderValue::from(head.cached_blocks));
+    h.insert(
+        ROUTER_HEADER,
+        match head.router_version {
+            Some(v) => HeaderValue::from(v),
+            None => HeaderValue::from_static("builtin"),
+        },
+    );
     Ok(response)
 }
 

@@ -39,6 +39,9 @@ pub struct Worker {
     removed: AtomicBool,
     /// Requests this gateway has running there now.
     pub in_flight: AtomicU32,
+    /// KV blocks those requests' prompts take there (exact and immediate,
+    /// where the worker's own report is up to 250 ms old).
+    pub in_flight_blocks: AtomicU32,
     /// Requests routed there, ever.
     pub routed: AtomicU64,
     /// The worker's last reported load.
@@ -131,6 +134,7 @@ impl Fleet {
             healthy: AtomicBool::new(false),
             removed: AtomicBool::new(false),
             in_flight: AtomicU32::new(0),
+            in_flight_blocks: AtomicU32::new(0),
             routed: AtomicU64::new(0),
             load: Mutex::new(Load::default()),
             registered_at: Mutex::new(Instant::now()),
@@ -203,11 +207,12 @@ impl Fleet {
                 WorkerLoad {
                     state: WorkerState::new(true, true, true),
                     id: w.id,
-                    // The gateway's own count is exact and immediate; the
-                    // worker's report lags by up to 250 ms.
+                    // The gateway's own counts are exact and immediate; the
+                    // worker's report lags by up to 250 ms, long enough to
+                    // make a worker that just finished look busy.
                     active_requests: w.in_flight.load(Ordering::Relaxed),
                     queued_prefill_tokens: load.queued_prefill_tokens,
-                    kv_blocks_used: load.kv_blocks_used,
+                    kv_blocks_used: w.in_flight_blocks.load(Ordering::Relaxed),
                     kv_blocks_total: load.kv_blocks_total,
                     overlap_blocks: 0,
                 }

@@ -84,6 +84,7 @@ async fn relay(
         events,
         buffered: Vec::new(),
         stream: job.stream,
+        last: None,
     };
     let mut excluded: Vec<u32> = Vec::new();
     let mut usage = Usage::default();
@@ -125,7 +126,10 @@ async fn relay(
         worker.routed.fetch_add(1, Ordering::Relaxed);
         gateway.metrics.routed(worker.id);
         let attempt = {
-            let _in_flight = InFlight::enter(&worker);
+            let _in_flight = InFlight::enter(
+                &worker,
+                job.view.prompt_tokens.div_ceil(job.view.block_size.max(1)),
+            );
             attempt(&gateway, &job, &worker, router_version, &mut out).await
         };
         match attempt {
@@ -168,6 +172,7 @@ async fn relay(
         duration_us: elapsed.as_micros() as u64,
     });
     drop(job.ticket);
+    out.close();
 }
 
 fn timeout_error() -> ApiError {
@@ -178,29 +183,46 @@ fn timeout_error() -> ApiError {
     }
 }
 
-/// Counts a request running on a worker for as long as it lives.
-struct InFlight<'a>(&'a Worker);
+/// Counts a request (and its prompt's KV blocks) running on a worker for as
+/// long as it lives.
+struct InFlight<'a> {
+    worker: &'a Worker,
+    blocks: u32,
+}
 
 impl<'a> InFlight<'a> {
-    fn enter(worker: &'a Worker) -> Self {
+    fn enter(worker: &'a Worker, blocks: u32) -> Self {
         worker.in_flight.fetch_add(1, Ordering::Relaxed);
-        Self(worker)
+        worker.in_flight_blocks.fetch_add(blocks, Ordering::Relaxed);
+        Self { worker, blocks }
     }
 }
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.worker.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.worker
+            .in_flight_blocks
+            .fetch_sub(self.blocks, Ordering::Relaxed);
     }
 }
 
 /// Where the relay's output goes: events are held back until the head is
-/// sent, so an attempt can be abandoned without the client seeing it.
+/// sent, so an attempt can be abandoned without the client seeing it; the
+/// last word (the finish, or the failure) is held until the request has been
+/// counted, so a client that reads the metrics next sees its request there.
 struct Output {
     head: Option<oneshot::Sender<Result<Head, ApiError>>>,
     events: mpsc::UnboundedSender<GenerateEvent>,
     buffered: Vec<GenerateEvent>,
     stream: bool,
+    last: Option<Last>,
+}
+
+/// How the answer ends.
+enum Last {
+    Finished(Head, GenerateEvent),
+    Failure(ApiError),
 }
 
 impl Output {
@@ -228,19 +250,32 @@ impl Output {
         }
     }
 
-    /// Fails the request: before the head, with an error answer; after it,
-    /// with an error event.
+    /// Fails the request (when [`Output::close`] runs): before the head, with
+    /// an error answer; after it, with an error event.
     fn fail(&mut self, error: ApiError) {
-        match self.head.take() {
-            Some(tx) => {
-                let _ = tx.send(Err(error));
+        if self.last.is_none() {
+            self.last = Some(Last::Failure(error));
+        }
+    }
+
+    /// Sends the last word.
+    fn close(mut self) {
+        match self.last.take() {
+            Some(Last::Finished(head, event)) if self.open(head) => {
+                let _ = self.events.send(event);
             }
-            None => {
-                let _ = self.events.send(GenerateEvent::Error {
-                    message: error.message,
-                    status: Some(error.status.as_u16()),
-                });
-            }
+            Some(Last::Failure(error)) => match self.head.take() {
+                Some(tx) => {
+                    let _ = tx.send(Err(error));
+                }
+                None => {
+                    let _ = self.events.send(GenerateEvent::Error {
+                        message: error.message,
+                        status: Some(error.status.as_u16()),
+                    });
+                }
+            },
+            Some(Last::Finished(..)) | None => {}
         }
     }
 
@@ -367,16 +402,16 @@ async fn attempt(
                     text,
                     usage,
                 } => {
-                    let ok = out.send(GenerateEvent::Finished {
-                        reason,
-                        text,
-                        usage,
-                    }) && out.open(head);
-                    return if ok {
-                        Attempt::Finished(usage)
-                    } else {
-                        Attempt::ClientGone
-                    };
+                    // Sent after the request is counted (see `Output::close`).
+                    out.last = Some(Last::Finished(
+                        head,
+                        GenerateEvent::Finished {
+                            reason,
+                            text,
+                            usage,
+                        },
+                    ));
+                    return Attempt::Finished(usage);
                 }
                 GenerateEvent::Error { message, status } if !out.started() => {
                     return Attempt::Refused(ApiError {
@@ -388,7 +423,13 @@ async fn attempt(
                     });
                 }
                 GenerateEvent::Error { message, status } => {
-                    out.send(GenerateEvent::Error { message, status });
+                    out.fail(ApiError {
+                        status: status
+                            .and_then(|s| axum::http::StatusCode::from_u16(s).ok())
+                            .unwrap_or(axum::http::StatusCode::BAD_GATEWAY),
+                        message,
+                        param: None,
+                    });
                     return Attempt::Broken(RequestOutcome::failed);
                 }
                 started @ GenerateEvent::Started { .. } => {
