@@ -205,3 +205,83 @@ fn chunked_prefill_and_batching_give_the_same_logits() {
     );
     assert_eq!(argmax(&whole[0]), argmax(&both[1]));
 }
+
+/// Segment-wise encoding with its cache gives exactly the ids `tokenizers`
+/// gives for the whole text: chat prompts (control tokens inside), repeated
+/// and near-repeated segments, digits, whitespace runs, unicode, and text
+/// that looks like a control token but is not one.
+#[test]
+fn segment_encoding_equals_whole_text_encoding() {
+    let (_, tok) = load();
+    let system =
+        "You are a helpful assistant named SmolLM, trained by Hugging Face. Answer briefly.";
+    let mut texts: Vec<String> = vec![
+        String::new(),
+        "<|im_start|>".into(),
+        "<|im_start|><|im_end|>".into(),
+        "<|im_start <|im_end|>x".into(),
+        "  leading and trailing spaces   ".into(),
+        "tabs\tand\nnewlines\n\n\nend".into(),
+        "numbers 1234567890 and 3.14159, 2026-11-30".into(),
+        "unicode: héllo wörld — 日本語のテキスト 🚲🚲 ok".into(),
+        "<|endoftext|>after the end token".into(),
+    ];
+    for turn in 0..6 {
+        let mut messages = vec![ChatMessage {
+            role: "system".into(),
+            content: system.into(),
+        }];
+        for t in 0..=turn {
+            messages.push(ChatMessage {
+                role: "user".into(),
+                content: format!("Question {t}: how do I fix a flat tyre on wheel {}?", t * 7),
+            });
+            messages.push(ChatMessage {
+                role: "assistant".into(),
+                content: format!("Answer {t}: take the wheel off, find the hole and patch it.  "),
+            });
+        }
+        texts.push(tok.apply_chat_template(&messages, true).unwrap());
+    }
+    // Twice: the second pass is served from the cache.
+    for pass in 0..2 {
+        for text in &texts {
+            assert_eq!(
+                tok.encode(text).unwrap(),
+                tok.encode_uncached(text).unwrap(),
+                "pass {pass}: {text:?}"
+            );
+        }
+    }
+}
+
+/// Random text from an alphabet chosen to hit every branch of the GPT-2
+/// split (contractions, space runs before words and symbols, newlines, other
+/// Unicode spaces, letters with combining marks, non-ASCII digits and
+/// numerals, emoji): the fast encoder agrees with `tokenizers` on all of it.
+#[test]
+fn fast_byte_level_encoding_equals_tokenizers_on_random_text() {
+    let (_, tok) = load();
+    let alphabet: Vec<&str> = vec![
+        " ", " ", " ", "  ", "\n", "\n\n", "\t", "\r\n", "a", "b", "z", "Q", "the", " word", "0",
+        "7", "42", "'s", "'re", "'ll", "'", "'S", "!", "?", ".", ",", "-", "(", ")", "\"", "é",
+        "ß", "日本", "e\u{301}", "🚲", "\u{a0}", "\u{3000}", "Ⅻ", "²", "٣", "<", "|", ">",
+        "im_start", "_", "$", "€", "\u{200b}",
+    ];
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
+    };
+    for case in 0..3000 {
+        let len = next(24);
+        let text: String = (0..len).map(|_| alphabet[next(alphabet.len())]).collect();
+        assert_eq!(
+            tok.encode(&text).unwrap(),
+            tok.encode_uncached(&text).unwrap(),
+            "case {case}: {text:?}"
+        );
+    }
+}

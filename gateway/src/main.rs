@@ -11,7 +11,8 @@ use clap::{Parser, Subcommand, ValueEnum};
 use sluice_backend::engine::EngineConfig;
 use sluice_backend::server::{WorkerConfig, run_worker};
 use sluice_gateway::bench::{
-    EngineBenchOptions, PluginBenchOptions, run_engine_bench, run_plugin_bench,
+    EngineBenchOptions, GatewayBenchOptions, PluginBenchOptions, run_engine_bench,
+    run_gateway_bench, run_plugin_bench,
 };
 
 /// Where `make model` puts SmolLM2-135M-Instruct.
@@ -134,6 +135,25 @@ enum Bench {
         #[arg(long)]
         vs_llamacpp: bool,
     },
+    /// What a gateway adds per request in front of a minimal fast upstream:
+    /// direct vs `sluice serve` (kv-aware plugin) vs SGLang's gateway.
+    Gateway {
+        /// The model whose tokenizer the gateway uses [default: as `sluice worker`]
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Folder with the built plugin components (`make plugins`).
+        #[arg(long, default_value = "plugins/target/wasm32-wasip2/release")]
+        plugins_dir: PathBuf,
+        /// Requests per second (open loop).
+        #[arg(long, default_value_t = 200.0)]
+        rate: f64,
+        /// Measured seconds per target and mode.
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
+        /// Skip SGLang's gateway.
+        #[arg(long)]
+        no_peer: bool,
+    },
     /// Cost of a KV-aware routing decision through Wasm vs native, and of swaps.
     Plugins {
         /// Folder with the built plugin components (`make plugins`).
@@ -255,6 +275,28 @@ fn run() -> anyhow::Result<()> {
             };
             let summary = run_engine_bench(&options, |line| println!("{line}"))
                 .context("sluice bench engine")?;
+            println!("{summary}");
+        }
+        Command::Bench {
+            which:
+                Bench::Gateway {
+                    model,
+                    plugins_dir,
+                    rate,
+                    seconds,
+                    no_peer,
+                },
+        } => {
+            let options = GatewayBenchOptions {
+                model: model_path(model),
+                plugins_dir,
+                rate,
+                seconds,
+                peer: !no_peer,
+                ..GatewayBenchOptions::default()
+            };
+            let summary = run_gateway_bench(&options, |line| println!("{line}"))
+                .context("sluice bench gateway")?;
             println!("{summary}");
         }
         Command::Bench {

@@ -1,9 +1,11 @@
 //! Models: the GGUF reader, the Llama-family config and forward pass.
 
+mod byte_level;
 mod config;
 pub mod gguf;
 mod hf;
 mod llama;
+mod segments;
 mod tokenizer;
 
 pub use config::LlamaConfig;

@@ -1,6 +1,7 @@
 //! The tokenizer and chat template stored in a GGUF file, built with the
 //! `tokenizers` crate (byte-level BPE; SmolLM2's pre-tokenizer splits digits one
-//! by one) and rendered with minijinja.
+//! by one) and rendered with minijinja (compiled once). Prompts are encoded in
+//! segments between added tokens, long ones cached (`super::segments`).
 
 use tokenizers::models::bpe::{BPE, Vocab};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -8,7 +9,9 @@ use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::{AddedToken, PreTokenizerWrapper};
 
+use super::byte_level::ByteLevelEncoder;
 use super::gguf::{Gguf, GgufError};
+use super::segments::SegmentEncoder;
 
 /// Why a tokenizer or template could not be built or used.
 #[derive(Debug, thiserror::Error)]
@@ -40,9 +43,33 @@ pub struct Tokenizer {
     pub stop_ids: Vec<u32>,
     /// Adds bos before a prompt.
     pub add_bos: bool,
-    chat_template: Option<String>,
+    /// The compiled chat template (`chat`), or why it did not compile.
+    template: Result<minijinja::Environment<'static>, String>,
+    /// Segment-wise encoding with a cache, when it is exact for this tokenizer.
+    segments: Option<SegmentEncoder>,
     bos_text: String,
     eos_text: String,
+}
+
+/// The template used when a model has none.
+const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+/// Compiles a chat template once.
+fn compile_template(source: Option<String>) -> Result<minijinja::Environment<'static>, String> {
+    let mut env = minijinja::Environment::new();
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    env.add_template_owned("chat", source.unwrap_or_else(|| CHATML.to_string()))
+        .map_err(|e| e.to_string())?;
+    Ok(env)
 }
 
 /// ggml token type of control tokens (`<|im_start|>`, ...).
@@ -88,13 +115,13 @@ impl Tokenizer {
         let mut inner = tokenizers::Tokenizer::new(bpe);
         let pre = g.get_str("tokenizer.ggml.pre").unwrap_or("default");
         let byte_level: PreTokenizerWrapper = ByteLevel::new(false, true, true).into();
-        let pre_tokenizer: PreTokenizerWrapper = match pre {
-            // SmolLM2 (and other "smollm"/"starcoder"-style vocabularies) split
-            // every digit on its own before the GPT-2 split.
-            "smollm" | "starcoder" | "refact" => {
-                Sequence::new(vec![Digits::new(true).into(), byte_level]).into()
-            }
-            _ => byte_level,
+        // SmolLM2 (and other "smollm"/"starcoder"-style vocabularies) split
+        // every digit on its own before the GPT-2 split.
+        let isolate_digits = matches!(pre, "smollm" | "starcoder" | "refact");
+        let pre_tokenizer: PreTokenizerWrapper = if isolate_digits {
+            Sequence::new(vec![Digits::new(true).into(), byte_level]).into()
+        } else {
+            byte_level
         };
         inner.with_pre_tokenizer(Some(pre_tokenizer));
         inner.with_decoder(Some(ByteLevel::default()));
@@ -125,6 +152,10 @@ impl Tokenizer {
             }
         }
         Ok(Tokenizer {
+            segments: SegmentEncoder::for_tokenizer(
+                &inner,
+                Some(ByteLevelEncoder::new(isolate_digits)),
+            ),
             inner,
             bos,
             eos,
@@ -132,10 +163,11 @@ impl Tokenizer {
             add_bos: g
                 .get("tokenizer.ggml.add_bos_token")
                 .is_ok_and(|v| *v == super::gguf::Value::Bool(true)),
-            chat_template: g
-                .get_str("tokenizer.chat_template")
-                .ok()
-                .map(str::to_string),
+            template: compile_template(
+                g.get_str("tokenizer.chat_template")
+                    .ok()
+                    .map(str::to_string),
+            ),
             bos_text: text_of(bos),
             eos_text: text_of(Some(eos)),
         })
@@ -172,12 +204,13 @@ impl Tokenizer {
             }
         }
         Ok(Tokenizer {
+            segments: SegmentEncoder::for_tokenizer(&inner, None),
             inner,
             bos,
             eos,
             stop_ids,
             add_bos: config["add_bos_token"].as_bool().unwrap_or(false),
-            chat_template: config["chat_template"].as_str().map(str::to_string),
+            template: compile_template(config["chat_template"].as_str().map(str::to_string)),
             bos_text: bos_text.unwrap_or_default(),
             eos_text,
         })
@@ -186,6 +219,24 @@ impl Tokenizer {
     /// Token ids of `text`; control tokens written in the text (`<|im_start|>`)
     /// become their ids. Adds bos when the model asks for it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let mut ids = Vec::with_capacity(text.len() / 3 + 2);
+        if let (true, Some(bos)) = (self.add_bos, self.bos) {
+            ids.push(bos);
+        }
+        match &self.segments {
+            Some(segments) => segments.encode(text, &self.inner, &mut ids),
+            None => self
+                .inner
+                .encode_fast(text, false)
+                .map(|enc| ids.extend_from_slice(enc.get_ids())),
+        }
+        .map_err(|e| TokenizerError::Build(e.to_string()))?;
+        Ok(ids)
+    }
+
+    /// Token ids of `text` straight from `tokenizers`, without segments or
+    /// cache (the reference [`Tokenizer::encode`] is tested against).
+    pub fn encode_uncached(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         let enc = self
             .inner
             .encode_fast(text, false)
@@ -216,21 +267,10 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TokenizerError> {
-        const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
-        let source = self.chat_template.as_deref().unwrap_or(CHATML);
-        let mut env = minijinja::Environment::new();
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
-        env.add_template("chat", source)
-            .map_err(|e| TokenizerError::Template(e.to_string()))?;
+        let env = self
+            .template
+            .as_ref()
+            .map_err(|e| TokenizerError::Template(e.clone()))?;
         env.get_template("chat")
             .and_then(|t| {
                 t.render(minijinja::context! {

@@ -3,9 +3,12 @@
 //! the machine and the date; nothing here asserts a timing.
 
 mod engine;
+mod gateway;
 mod plugins;
+pub mod upstream;
 
 pub use engine::{EngineBenchOptions, run_engine_bench};
+pub use gateway::{GatewayBenchOptions, run_gateway_bench};
 pub use plugins::{PluginBenchOptions, run_plugin_bench};
 
 use std::time::Instant;

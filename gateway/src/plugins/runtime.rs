@@ -48,7 +48,7 @@ pub struct HostConfig {
 impl Default for HostConfig {
     fn default() -> Self {
         Self {
-            epoch_tick: Duration::from_millis(1),
+            epoch_tick: Duration::from_millis(10),
             call_cpu_budget: Duration::from_millis(1),
             init_cpu_budget: Duration::from_millis(100),
             max_call_wall: Duration::from_secs(1),

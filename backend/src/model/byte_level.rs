@@ -1,0 +1,126 @@
+//! Byte-level BPE encoding of one segment without `tokenizers`' per-call
+//! bookkeeping (offset tracking, normalized-string splits), which costs more
+//! than the merges on short prompts. The split is GPT-2's pattern — run with
+//! the `regex` crate, with its one look-ahead (`\s+(?!\S)`) applied by hand —
+//! after SmolLM2-style digit isolation; the merges are `tokenizers`' own BPE
+//! model (and its word cache). Tests check it against `tokenizers` id for id.
+
+use regex::Regex;
+use tokenizers::Model;
+
+/// GPT-2's split pattern without the look-ahead alternative.
+const PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+";
+
+/// Splits and maps text the way `Digits(individual) + ByteLevel(regex)` do.
+#[derive(Debug)]
+pub struct ByteLevelEncoder {
+    split: Regex,
+    /// Isolate every numeric character first (SmolLM2's `Digits(true)`).
+    isolate_digits: bool,
+    /// GPT-2's byte -> printable char table.
+    byte_chars: [char; 256],
+}
+
+/// GPT-2's `bytes_to_unicode`: printable bytes stand for themselves, the rest
+/// are moved to 256 and up.
+fn byte_chars() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let mut next = 256u32;
+    for b in 0..=255u8 {
+        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        table[b as usize] = if printable {
+            char::from(b)
+        } else {
+            let c = char::from_u32(next).unwrap_or('\u{FFFD}');
+            next += 1;
+            c
+        };
+    }
+    table
+}
+
+impl ByteLevelEncoder {
+    pub fn new(isolate_digits: bool) -> Self {
+        Self {
+            split: Regex::new(PATTERN).expect("the GPT-2 pattern compiles"),
+            isolate_digits,
+            byte_chars: byte_chars(),
+        }
+    }
+
+    /// Appends the ids of `text` (which holds no added tokens) to `out`.
+    pub fn encode(
+        &self,
+        text: &str,
+        model: &impl Model,
+        out: &mut Vec<u32>,
+    ) -> tokenizers::Result<()> {
+        let mut mapped = String::new();
+        let mut emit = |piece: &str| -> tokenizers::Result<()> {
+            mapped.clear();
+            for &b in piece.as_bytes() {
+                mapped.push(self.byte_chars[b as usize]);
+            }
+            out.extend(model.tokenize(&mapped)?.iter().map(|t| t.id));
+            Ok(())
+        };
+        if !self.isolate_digits {
+            return self.split_gpt2(text, &mut emit);
+        }
+        let mut at = 0;
+        for (i, c) in text.char_indices() {
+            if c.is_numeric() {
+                self.split_gpt2(&text[at..i], &mut emit)?;
+                emit(&text[i..i + c.len_utf8()])?;
+                at = i + c.len_utf8();
+            }
+        }
+        self.split_gpt2(&text[at..], &mut emit)
+    }
+
+    /// GPT-2's split of `piece`. `\s+(?!\S)` (tried before plain `\s+`) takes a
+    /// whitespace run that ends the text, or all but the last character of a
+    /// run followed by something else, leaving that character to start the
+    /// next piece (` word`).
+    fn split_gpt2(
+        &self,
+        piece: &str,
+        emit: &mut impl FnMut(&str) -> tokenizers::Result<()>,
+    ) -> tokenizers::Result<()> {
+        let mut at = 0;
+        while at < piece.len() {
+            let Some(m) = self.split.find_at(piece, at) else {
+                // Every character matches some alternative; keep going anyway.
+                return emit(&piece[at..]);
+            };
+            let mut end = m.end();
+            let matched = m.as_str();
+            if end < piece.len() && matched.chars().all(char::is_whitespace) {
+                let last = matched.chars().next_back().map_or(0, char::len_utf8);
+                if matched.len() > last {
+                    end -= last;
+                }
+            }
+            if m.start() > at {
+                emit(&piece[at..m.start()])?;
+            }
+            emit(&piece[m.start()..end])?;
+            at = end;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_table_is_gpt2s() {
+        let t = byte_chars();
+        assert_eq!(t[b'A' as usize], 'A');
+        assert_eq!(t[b' ' as usize], 'Ġ');
+        assert_eq!(t[b'\n' as usize], 'Ċ');
+        assert_eq!(t[0], 'Ā');
+    }
+}

@@ -1,0 +1,344 @@
+//! `sluice bench gateway`: what a gateway adds to a request. A minimal fast
+//! upstream (`super::upstream`, two instances) answers canned tokens; the
+//! same paced load goes to it directly, through `sluice serve` (a child
+//! process, with the kv-aware router plugin loaded), and through SGLang's
+//! model gateway (`sglang-router`, cache-aware policy) when it is installed.
+//! Reported per target and mode: latency percentiles and the gateway
+//! process's CPU time per request (from /proc schedstat, in ns).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+/// What `sluice bench gateway` runs.
+#[derive(Clone, Debug)]
+pub struct GatewayBenchOptions {
+    /// The model whose tokenizer and chat template the gateway uses.
+    pub model: PathBuf,
+    /// The built plugin components (for `kv_aware.wasm`).
+    pub plugins_dir: PathBuf,
+    /// Requests per second, paced evenly (open loop).
+    pub rate: f64,
+    /// Measured seconds per target and mode (after one second of warm-up).
+    pub seconds: f64,
+    /// Tokens the upstream answers per request.
+    pub tokens: u32,
+    /// Run SGLang's gateway too (when `python3 -m sglang_router` works).
+    pub peer: bool,
+}
+
+impl Default for GatewayBenchOptions {
+    fn default() -> Self {
+        Self {
+            model: PathBuf::new(),
+            plugins_dir: PathBuf::from("plugins/target/wasm32-wasip2/release"),
+            rate: 200.0,
+            seconds: 5.0,
+            tokens: 16,
+            peer: true,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayBenchError {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("cannot read the router plugin {path}: {source} (build the plugins: make plugins)")]
+    Plugin {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("sluice serve did not become ready: {0}")]
+    NotReady(String),
+}
+
+/// A child process killed when dropped.
+struct ChildGuard(Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// CPU time of every thread of `pid`, in ns (Linux schedstat).
+fn process_cpu_ns(pid: u32) -> Option<u64> {
+    let mut total = 0u64;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+        let path = task.ok()?.path().join("schedstat");
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        total += text
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    Some(total)
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// Waits until `url` answers 2xx (at most `limit`).
+async fn wait_ready(client: &reqwest::Client, url: &str, limit: Duration) -> Result<(), String> {
+    let started = Instant::now();
+    let mut last = String::new();
+    while started.elapsed() < limit {
+        match client.get(url).timeout(Duration::from_secs(1)).send().await {
+            Ok(r) if r.status().is_success() => return Ok(()),
+            Ok(r) => last = format!("{url} answered {}", r.status()),
+            Err(e) => last = format!("{url}: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Err(last)
+}
+
+/// A long shared system prompt and a question that differs in every request
+/// of the run, as in a chat service.
+fn request_body(stream: bool) -> Value {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let i = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let system = "You are the support assistant of a bicycle shop. Answer questions about \
+                  repairs, spare parts, opening hours and prices briefly and politely. If you \
+                  do not know an answer, say so and suggest calling the shop during opening hours.";
+    json!({
+        "model": "bench",
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": format!("Customer {i} asks: how much does it cost to replace a chain and {} brake pads on a road bike?", i % 5 + 1)},
+        ],
+        "max_tokens": 16,
+        "stream": stream,
+    })
+}
+
+/// One measured phase against one target.
+#[derive(Debug)]
+struct Phase {
+    latencies_us: Vec<f64>,
+    errors: u64,
+    cpu_ns: Option<u64>,
+}
+
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+/// Sends `rate` requests a second for `seconds` to `url`; measures each one's
+/// time to its last byte, and `pid`'s CPU time over the phase.
+async fn run_phase(
+    client: &reqwest::Client,
+    url: &str,
+    stream: bool,
+    rate: f64,
+    seconds: f64,
+    pid: Option<u32>,
+) -> Phase {
+    let n = (rate * seconds).round() as u64;
+    let results = Arc::new(Mutex::new(Vec::with_capacity(n as usize)));
+    let errors = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let cpu_before = pid.and_then(process_cpu_ns);
+    let start = tokio::time::Instant::now();
+    let mut tasks = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        tokio::time::sleep_until(start + Duration::from_secs_f64(i as f64 / rate)).await;
+        let (client, url, results, errors) = (
+            client.clone(),
+            url.to_string(),
+            results.clone(),
+            errors.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let sent = Instant::now();
+            let ok = match client.post(&url).json(&request_body(stream)).send().await {
+                Ok(r) if r.status().is_success() => r.bytes().await.is_ok(),
+                _ => false,
+            };
+            if ok {
+                results
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(sent.elapsed().as_secs_f64() * 1e6);
+            } else {
+                errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let cpu_after = pid.and_then(process_cpu_ns);
+    let mut latencies_us = std::mem::take(&mut *results.lock().unwrap_or_else(|e| e.into_inner()));
+    latencies_us.sort_by(f64::total_cmp);
+    Phase {
+        latencies_us,
+        errors: errors.load(std::sync::atomic::Ordering::Relaxed),
+        cpu_ns: cpu_before.zip(cpu_after).map(|(a, b)| b.saturating_sub(a)),
+    }
+}
+
+/// Starts `sluice serve` on the two upstreams with the kv-aware router plugin.
+fn start_sluice(
+    options: &GatewayBenchOptions,
+    upstreams: &[String],
+    port: u16,
+    dir: &Path,
+) -> Result<ChildGuard, GatewayBenchError> {
+    let plugin = options.plugins_dir.join("kv_aware.wasm");
+    let bytes = std::fs::read(&plugin).map_err(|source| GatewayBenchError::Plugin {
+        path: plugin.display().to_string(),
+        source,
+    })?;
+    let plugins = dir.join("plugins");
+    std::fs::create_dir_all(&plugins)?;
+    std::fs::write(plugins.join("router.wasm"), bytes)?;
+    let config = format!(
+        "listen = \"127.0.0.1:{port}\"\nmodel = {model:?}\nserved_model_name = \"bench\"\nworkers = {workers:?}\nplugins_dir = {plugins:?}\nadmin_token = \"bench-admin-token-0123456789\"\n",
+        model = options.model.display().to_string(),
+        workers = upstreams,
+        plugins = plugins.display().to_string(),
+    );
+    let config_path = dir.join("gateway.toml");
+    std::fs::write(&config_path, config)?;
+    let child = Command::new(std::env::current_exe()?)
+        .arg("serve")
+        .arg("--config")
+        .arg(&config_path)
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()?;
+    Ok(ChildGuard(child))
+}
+
+/// Starts SGLang's gateway, if it is installed.
+fn start_peer(upstreams: &[String], port: u16) -> Option<ChildGuard> {
+    let child = Command::new("python3")
+        .args([
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+        ])
+        .arg("--worker-urls")
+        .args(upstreams)
+        .args(["--policy", "cache_aware", "--log-level", "warn"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    Some(ChildGuard(child))
+}
+
+/// Runs the benchmark; `line` gets each JSON line; returns the summary.
+pub fn run_gateway_bench(
+    options: &GatewayBenchOptions,
+    mut line: impl FnMut(&Value),
+) -> Result<Value, GatewayBenchError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let mut upstreams = Vec::new();
+        for _ in 0..2 {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            upstreams.push(format!("http://{}", listener.local_addr()?));
+            tokio::spawn(super::upstream::serve(listener, options.tokens, "bench".into()));
+        }
+        let client = reqwest::Client::builder().tcp_nodelay(true).pool_max_idle_per_host(512).build().map_err(|e| std::io::Error::other(e.to_string()))?;
+        let dir = std::env::temp_dir().join(format!("sluice-bench-gateway-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let sluice_port = free_port()?;
+        let sluice = start_sluice(options, &upstreams, sluice_port, &dir)?;
+        let sluice_url = format!("http://127.0.0.1:{sluice_port}");
+        wait_ready(&client, &format!("{sluice_url}/health"), Duration::from_secs(60)).await.map_err(GatewayBenchError::NotReady)?;
+        let mut targets: Vec<(&str, String, Option<u32>)> = vec![
+            ("direct", format!("{}/v1/chat/completions", upstreams[0]), None),
+            ("sluice", format!("{sluice_url}/v1/chat/completions"), Some(sluice.0.id())),
+        ];
+        let mut peer_note = Value::Null;
+        let peer = if options.peer {
+            let port = free_port()?;
+            match start_peer(&upstreams, port) {
+                Some(peer) => {
+                    let url = format!("http://127.0.0.1:{port}");
+                    match wait_ready(&client, &format!("{url}/health"), Duration::from_secs(60)).await {
+                        Ok(()) => {
+                            targets.push(("sglang_router", format!("{url}/v1/chat/completions"), Some(peer.0.id())));
+                            Some(peer)
+                        }
+                        Err(e) => {
+                            peer_note = json!(format!("sglang-router did not start: {e}"));
+                            None
+                        }
+                    }
+                }
+                None => {
+                    peer_note = json!("sglang-router is not installed (pip install sglang-router)");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let mut figures: Vec<(String, &str, f64, f64, Option<f64>)> = Vec::new();
+        for (mode, stream) in [("non_streaming", false), ("streaming", true)] {
+            for (name, url, pid) in &targets {
+                // Warm-up: connections, caches, the plugin's pool.
+                run_phase(&client, url, stream, options.rate, 1.0, None).await;
+                let phase = run_phase(&client, url, stream, options.rate, options.seconds, *pid).await;
+                let n = phase.latencies_us.len() as f64;
+                let cpu = phase.cpu_ns.map(|ns| ns as f64 / 1e3 / (n + phase.errors as f64).max(1.0));
+                let p50 = percentile(&phase.latencies_us, 0.5);
+                let p99 = percentile(&phase.latencies_us, 0.99);
+                let row = json!({
+                    "bench": "gateway", "mode": mode, "target": name,
+                    "rate_per_s": options.rate, "requests": n, "errors": phase.errors,
+                    "p50_us": p50, "p99_us": p99,
+                    "mean_us": phase.latencies_us.iter().sum::<f64>() / n.max(1.0),
+                    "cpu_us_per_req": cpu,
+                });
+                line(&row);
+                figures.push((mode.to_string(), name, p50, p99, cpu));
+            }
+        }
+        drop(peer);
+        drop(sluice);
+        let _ = std::fs::remove_dir_all(&dir);
+        let get = |mode: &str, target: &str| figures.iter().find(|f| f.0 == mode && f.1 == target);
+        let mut summary = json!({"bench": "gateway", "summary": true, "rate_per_s": options.rate, "upstream_tokens": options.tokens});
+        for (mode, prefix) in [("non_streaming", ""), ("streaming", "stream_")] {
+            let (Some(direct), Some(ours)) = (get(mode, "direct"), get(mode, "sluice")) else { continue };
+            summary[format!("{prefix}added_p50_us")] = json!(ours.2 - direct.2);
+            summary[format!("{prefix}added_p99_us")] = json!(ours.3 - direct.3);
+            summary[format!("{prefix}cpu_us_per_req")] = json!(ours.4);
+            if let Some(peer) = get(mode, "sglang_router") {
+                summary[format!("{prefix}peer_added_p50_us")] = json!(peer.2 - direct.2);
+                summary[format!("{prefix}peer_added_p99_us")] = json!(peer.3 - direct.3);
+                summary[format!("{prefix}peer_cpu_us_per_req")] = json!(peer.4);
+                if let (Some(a), Some(b)) = (ours.4, peer.4) {
+                    summary[format!("{prefix}cpu_ratio_vs_peer")] = json!(a / b);
+                }
+            }
+        }
+        if !peer_note.is_null() {
+            summary["peer"] = peer_note;
+        }
+        Ok(summary)
+    })
+}
