@@ -9,8 +9,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Json;
-use axum::http::StatusCode;
-use axum::response::sse::{Event, Sse};
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -486,53 +485,61 @@ impl Frontend {
         .into_response())
     }
 
-    /// An SSE stream of OpenAI chunks, ending with `[DONE]`.
+    /// An SSE stream of OpenAI chunks, ending with `[DONE]`. The body reads
+    /// the events itself (no task in between): when the client goes away the
+    /// body is dropped with `events`, and the generation is cancelled.
     fn stream(
         self: Arc<Self>,
         reply: Reply,
         id: String,
-        mut events: UnboundedReceiver<GenerateEvent>,
+        events: UnboundedReceiver<GenerateEvent>,
         on_usage: impl FnOnce(&Usage) + Send + 'static,
     ) -> Response {
-        // A task turns generation events into SSE events; when the client goes
-        // away the SSE channel closes, the task drops `events`, and the
-        // generation is cancelled.
-        let (tx, sse_rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(64);
-        tokio::spawn(async move {
-            let chunks = ChunkWriter {
-                frontend: &self,
-                reply,
-                id,
-                created: now_secs(),
-            };
-            let mut on_usage = Some(on_usage);
-            while let Some(event) = events.recv().await {
-                let finished = matches!(
-                    event,
-                    GenerateEvent::Finished { .. } | GenerateEvent::Error { .. }
-                );
-                if let GenerateEvent::Finished { usage, .. } = &event
-                    && let Some(f) = on_usage.take()
-                {
-                    f(usage);
+        let writer = ChunkWriter {
+            frontend: self,
+            reply,
+            id,
+            created: now_secs(),
+        };
+        let state = (writer, events, Some(on_usage), false);
+        let body = futures_util::stream::unfold(
+            state,
+            |(writer, mut events, mut on_usage, done)| async move {
+                if done {
+                    return None;
                 }
-                for e in chunks.events(event) {
-                    if tx.send(Ok(e)).await.is_err() {
-                        return;
+                loop {
+                    let Some(event) = events.recv().await else {
+                        // The generation ended without a last event.
+                        let error =
+                            ApiError::unavailable("the generation stopped before it finished");
+                        let text = format!("data: {}\n\ndata: [DONE]\n\n", error.body());
+                        return Some((Ok::<_, Infallible>(text), (writer, events, on_usage, true)));
+                    };
+                    let finished = matches!(
+                        event,
+                        GenerateEvent::Finished { .. } | GenerateEvent::Error { .. }
+                    );
+                    if let GenerateEvent::Finished { usage, .. } = &event
+                        && let Some(f) = on_usage.take()
+                    {
+                        f(usage);
+                    }
+                    let text = writer.sse(event);
+                    if !text.is_empty() || finished {
+                        return Some((Ok(text), (writer, events, on_usage, finished)));
                     }
                 }
-                if finished {
-                    return;
-                }
-            }
-            // The generation ended without a last event.
-            let error = ApiError::unavailable("the generation stopped before it finished");
-            let _ = tx
-                .send(Ok(Event::default().data(error.body().to_string())))
-                .await;
-            let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
-        });
-        Sse::new(tokio_stream::wrappers::ReceiverStream::new(sse_rx)).into_response()
+            },
+        );
+        (
+            [
+                (header::CONTENT_TYPE, "text/event-stream"),
+                (header::CACHE_CONTROL, "no-cache"),
+            ],
+            axum::body::Body::from_stream(body),
+        )
+            .into_response()
     }
 
     /// The chat `logprobs.content` entry of one token.
@@ -571,15 +578,26 @@ impl Frontend {
 }
 
 /// Writes the SSE chunks of one streaming answer.
-struct ChunkWriter<'a> {
-    frontend: &'a Frontend,
+struct ChunkWriter {
+    frontend: Arc<Frontend>,
     reply: Reply,
     id: String,
     created: u64,
 }
 
-impl ChunkWriter<'_> {
-    fn chunk(&self, choices: Value, usage: Option<Value>) -> Event {
+impl ChunkWriter {
+    /// The SSE text of one generation event (empty when it shows nothing).
+    fn sse(&self, event: GenerateEvent) -> String {
+        let mut text = String::new();
+        for data in self.events(event) {
+            text.push_str("data: ");
+            text.push_str(&data);
+            text.push_str("\n\n");
+        }
+        text
+    }
+
+    fn chunk(&self, choices: Value, usage: Option<Value>) -> String {
         let object = match self.reply.kind {
             Kind::Chat => "chat.completion.chunk",
             Kind::Completion => "text_completion",
@@ -588,11 +606,11 @@ impl ChunkWriter<'_> {
         if let Some(u) = usage {
             c["usage"] = u;
         }
-        Event::default().data(c.to_string())
+        c.to_string()
     }
 
-    /// The SSE events of one generation event.
-    fn events(&self, event: GenerateEvent) -> Vec<Event> {
+    /// The `data:` payloads of one generation event.
+    fn events(&self, event: GenerateEvent) -> Vec<String> {
         let kind = self.reply.kind;
         match event {
             GenerateEvent::Started { .. } => match kind {
@@ -637,12 +655,12 @@ impl ChunkWriter<'_> {
                 if self.reply.include_usage {
                     out.push(self.chunk(json!([]), Some(usage_json(&usage))));
                 }
-                out.push(Event::default().data("[DONE]"));
+                out.push("[DONE]".into());
                 out
             }
             GenerateEvent::Error { message, status } => vec![
-                Event::default().data(event_error(message, status).body().to_string()),
-                Event::default().data("[DONE]"),
+                event_error(message, status).body().to_string(),
+                "[DONE]".into(),
             ],
         }
     }

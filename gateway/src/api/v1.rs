@@ -127,12 +127,31 @@ async fn answer(
         deadline,
         ticket,
     };
-    let (head, events) = upstream::start(gateway.clone(), job);
-    // The relay counts every outcome from here on.
-    let head = match head.await {
+    let (ends, answer) = upstream::channels();
+    let relay = upstream::relay(gateway.clone(), job, ends);
+    if reply.stream {
+        // The relay outlives this handler: it feeds the body.
+        tokio::spawn(relay);
+        return Ok(respond(gateway, kind, reply, answer, trace).await);
+    }
+    // Not streaming: the relay runs in this task, beside the answer.
+    let ((), response) = tokio::join!(relay, respond(gateway, kind, reply, answer, trace));
+    Ok(response)
+}
+
+/// Waits for the head, then answers with the OpenAI layer; the headers say
+/// which worker served the request.
+async fn respond(
+    gateway: &Arc<Gateway>,
+    kind: Kind,
+    reply: sluice_backend::server::openai::Reply,
+    answer: upstream::Answer,
+    trace: TraceContext,
+) -> Response {
+    let head = match answer.head.await {
         Ok(Ok(head)) => head,
-        Ok(Err(e)) => return Ok(e.into_response()),
-        Err(_) => return Ok(ApiError::unavailable("the request was dropped").into_response()),
+        Ok(Err(e)) => return e.into_response(),
+        Err(_) => return ApiError::unavailable("the request was dropped").into_response(),
     };
     let id = format!(
         "{}-{}-{}",
@@ -140,8 +159,12 @@ async fn answer(
         gateway.instance,
         gateway.next_request.fetch_add(1, Ordering::Relaxed)
     );
-    tracing::debug!(%id, worker = head.worker, cached_blocks = head.cached_blocks, router_version = ?head.router_version, trace = %format!("{:032x}", trace.trace_id), "routed");
-    let mut response = match gateway.frontend.respond(reply, id, events, |_| {}).await {
+    tracing::debug!(%id, worker = head.worker, cached_blocks = head.cached_blocks, router_version = ?head.router_version, trace = %format_args!("{:032x}", trace.trace_id), "routed");
+    let mut response = match gateway
+        .frontend
+        .respond(reply, id, answer.events, |_| {})
+        .await
+    {
         Ok(r) => r,
         Err(e) => e.into_response(),
     };
@@ -155,7 +178,7 @@ async fn answer(
             None => HeaderValue::from_static("builtin"),
         },
     );
-    Ok(response)
+    response
 }
 
 /// Asks the admission policy; waits in the queue if it says so.

@@ -57,27 +57,97 @@ enum Attempt {
     ClientGone,
 }
 
-/// Starts the relay; the returned receiver answers with the head (or why the
-/// request failed before any answer), after which `events` carries the rest.
-pub fn start(
-    gateway: Arc<Gateway>,
-    job: Job,
-) -> (
-    oneshot::Receiver<Result<Head, ApiError>>,
-    mpsc::UnboundedReceiver<GenerateEvent>,
-) {
-    let (head_tx, head_rx) = oneshot::channel();
-    let (events_tx, events_rx) = mpsc::unbounded_channel();
-    tokio::spawn(relay(gateway, job, head_tx, events_tx));
-    (head_rx, events_rx)
+/// What the answer reads: the head (or why the request failed before any
+/// answer), after which `events` carries the rest.
+#[derive(Debug)]
+pub struct Answer {
+    pub head: oneshot::Receiver<Result<Head, ApiError>>,
+    pub events: mpsc::UnboundedReceiver<GenerateEvent>,
 }
 
-/// The relay task: route, send, retry before the head, then relay.
-async fn relay(
-    gateway: Arc<Gateway>,
-    job: Job,
+/// The relay's ends of the answer's channels.
+#[derive(Debug)]
+pub struct RelayEnds {
+    head: oneshot::Sender<Result<Head, ApiError>>,
+    events: mpsc::UnboundedSender<GenerateEvent>,
+}
+
+/// A connected pair of ends.
+pub fn channels() -> (RelayEnds, Answer) {
+    let (head_tx, head) = oneshot::channel();
+    let (events_tx, events) = mpsc::unbounded_channel();
+    (
+        RelayEnds {
+            head: head_tx,
+            events: events_tx,
+        },
+        Answer { head, events },
+    )
+}
+
+/// Counts a request's end exactly once: at the end of the relay, or (when
+/// the relay is dropped because its client went away) as cancelled.
+struct Accounting<'a> {
+    gateway: &'a Gateway,
+    view: RequestView,
+    arrived: Instant,
+    done: bool,
+}
+
+impl Accounting<'_> {
+    fn finish(&mut self, outcome: RequestOutcome, usage: Usage) {
+        self.done = true;
+        let elapsed = self.arrived.elapsed();
+        let gateway = self.gateway;
+        gateway.metrics.request_done(outcome, elapsed.as_secs_f64());
+        gateway.policies.admission.on_complete(&Completion {
+            tenant_id: self.view.tenant_id,
+            session_hash: self.view.session_hash,
+            priority: self.view.priority,
+            prompt_tokens: self.view.prompt_tokens,
+            cached_tokens: usage.cached_tokens,
+            output_tokens: usage.completion_tokens,
+            outcome: match outcome {
+                RequestOutcome::success => Outcome::Success,
+                RequestOutcome::cancelled => Outcome::Cancelled,
+                RequestOutcome::rejected => Outcome::Rejected,
+                _ => Outcome::Failed,
+            },
+            duration_us: elapsed.as_micros() as u64,
+        });
+    }
+}
+
+impl Drop for Accounting<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.finish(RequestOutcome::cancelled, Usage::default());
+        }
+    }
+}
+
+/// Route, send, retry before the head, then relay. Spawned for a streaming
+/// answer; run inside the handler's own task for a non-streaming one.
+pub async fn relay(gateway: Arc<Gateway>, job: Job, ends: RelayEnds) {
+    let RelayEnds {
+        head: head_tx,
+        events,
+    } = ends;
+    let mut accounting = Accounting {
+        gateway: &gateway,
+        view: job.view,
+        arrived: job.arrived,
+        done: false,
+    };
+    relay_inner(&gateway, &job, head_tx, events, &mut accounting).await;
+}
+
+async fn relay_inner(
+    gateway: &Gateway,
+    job: &Job,
     head_tx: oneshot::Sender<Result<Head, ApiError>>,
     events: mpsc::UnboundedSender<GenerateEvent>,
+    accounting: &mut Accounting<'_>,
 ) {
     let mut out = Output {
         head: Some(head_tx),
@@ -130,7 +200,7 @@ async fn relay(
                 &worker,
                 job.view.prompt_tokens.div_ceil(job.view.block_size.max(1)),
             );
-            attempt(&gateway, &job, &worker, router_version, &mut out).await
+            attempt(gateway, job, &worker, router_version, &mut out).await
         };
         match attempt {
             Attempt::Finished(u) => {
@@ -154,24 +224,7 @@ async fn relay(
             break RequestOutcome::timeout;
         }
     };
-    let elapsed = job.arrived.elapsed();
-    gateway.metrics.request_done(outcome, elapsed.as_secs_f64());
-    gateway.policies.admission.on_complete(&Completion {
-        tenant_id: job.view.tenant_id,
-        session_hash: job.view.session_hash,
-        priority: job.view.priority,
-        prompt_tokens: job.view.prompt_tokens,
-        cached_tokens: usage.cached_tokens,
-        output_tokens: usage.completion_tokens,
-        outcome: match outcome {
-            RequestOutcome::success => Outcome::Success,
-            RequestOutcome::cancelled => Outcome::Cancelled,
-            RequestOutcome::rejected => Outcome::Rejected,
-            _ => Outcome::Failed,
-        },
-        duration_us: elapsed.as_micros() as u64,
-    });
-    drop(job.ticket);
+    accounting.finish(outcome, usage);
     out.close();
 }
 
