@@ -182,14 +182,23 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    match Cli::parse().command {
+    let command = Cli::parse().command;
+    // `sluice serve` may export spans (its config names the endpoint).
+    let mut serve_config = None;
+    let endpoint = match &command {
+        Command::Serve {
+            config: Some(path), ..
+        } => {
+            let config = Config::from_file(path)?;
+            let endpoint = config.telemetry.otlp_endpoint.clone();
+            serve_config = Some(config);
+            endpoint
+        }
+        _ => None,
+    };
+    let _telemetry = sluice_gateway::telemetry::init(endpoint.as_deref(), "sluice-gateway")
+        .map_err(anyhow::Error::msg)?;
+    match command {
         Command::Worker {
             model,
             host,
@@ -225,9 +234,10 @@ fn run() -> anyhow::Result<()> {
             worker_urls,
             plugins_dir,
         } => {
-            let mut config = match config {
-                Some(path) => Config::from_file(&path)?,
-                None => Config::default(),
+            let mut config = match (serve_config, config) {
+                (Some(c), _) => c,
+                (None, Some(path)) => Config::from_file(&path)?,
+                (None, None) => Config::default(),
             };
             if let Some(listen) = listen {
                 config.listen = listen;

@@ -210,6 +210,44 @@ impl Cluster {
         }
     }
 
+    /// Sends a signal (`STOP`, `CONT`, ...) to the worker process at `url`.
+    pub fn signal_worker(&self, url: &str, signal: &str) {
+        let pid = self
+            .workers
+            .iter()
+            .find(|(u, _)| u == url)
+            .and_then(|(_, c)| c.as_ref())
+            .map(|c| c.id())
+            .unwrap_or_else(|| panic!("no live worker process at {url}"));
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string())
+            .status()
+            .expect("running kill");
+        assert!(status.success());
+    }
+
+    /// Waits (at most 30 s) until the worker `id` is in service or not.
+    pub async fn wait_health(&self, id: u64, healthy: bool) {
+        let started = Instant::now();
+        loop {
+            let now = self
+                .workers_status()
+                .await
+                .iter()
+                .find(|w| w["id"] == id)
+                .is_some_and(|w| w["healthy"] == healthy);
+            if now {
+                return;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "worker {id} never became healthy={healthy}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// POSTs `body` to `path` and returns (status, headers, JSON body).
     pub async fn post(&self, path: &str, body: &Value) -> (u16, reqwest::header::HeaderMap, Value) {
         let r = self.request(path).json(body).send().await.expect("POST");

@@ -648,3 +648,90 @@ async fn bad_input_gets_openai_errors_and_admin_needs_its_token() {
             >= 10.0
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_worker_times_out_and_nothing_hangs() {
+    let cluster = Cluster::start(2, |c| {
+        c.limits.idle_stream_timeout_ms = 800;
+        c.limits.request_timeout_ms = 20_000;
+    })
+    .await;
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": true, "stream": true});
+    let r = cluster
+        .request(COMPLETIONS)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let id: u64 = header(r.headers(), "x-sluice-worker").parse().unwrap();
+    let url = cluster.worker_url(id).await;
+    cluster.signal_worker(&url, "STOP");
+    let stalled_at = Instant::now();
+    let text = tokio::time::timeout(Duration::from_secs(30), r.text())
+        .await
+        .expect("the stream hung")
+        .unwrap();
+    let data = sluice_tests::cluster::sse_data(&text);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let error: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("timed out"),
+        "{error}"
+    );
+    assert!(stalled_at.elapsed() < Duration::from_secs(10));
+    // The silent worker is taken out; requests go elsewhere meanwhile.
+    cluster.wait_health(id, false).await;
+    let (status, h, _) = cluster.post(CHAT, &chat(&[("user", "hi")], 2)).await;
+    assert_eq!(status, 200);
+    assert_ne!(header(&h, "x-sluice-worker"), id.to_string());
+    // Woken up, it comes back into service.
+    cluster.signal_worker(&url, "CONT");
+    cluster.wait_health(id, true).await;
+    assert!(
+        cluster
+            .metric("sluice_requests_total{outcome=\"timeout\"}")
+            .await
+            >= 1.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_plugins_folder_is_loaded_at_start_and_watched() {
+    let dir = std::env::temp_dir().join(format!("sluice-plugins-dir-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let router = dir.join("router.wasm");
+    std::fs::write(&router, sluice_tests::plugin_wasm("round-robin")).unwrap();
+    let cluster = Cluster::start(2, |c| c.plugins_dir = Some(dir.clone())).await;
+    let active = |plugins: &Value| plugins["slots"][0]["active"].clone();
+    let plugins = cluster.admin_get("/admin/plugins").await;
+    assert_eq!(active(&plugins)["name"], "router.wasm");
+    assert_eq!(active(&plugins)["version"], 1);
+    let (_, h, _) = cluster.post(CHAT, &chat(&[("user", "hi")], 1)).await;
+    assert_eq!(header(&h, "x-sluice-router-version"), "1");
+
+    // A changed file is swapped in.
+    std::fs::write(&router, sluice_tests::plugin_wasm("kv-aware")).unwrap();
+    let started = Instant::now();
+    while active(&cluster.admin_get("/admin/plugins").await)["version"] != 2 {
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "the new file was not loaded"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // A broken file is refused; the running version stays.
+    std::fs::write(&router, b"not a component").unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        active(&cluster.admin_get("/admin/plugins").await)["version"],
+        2
+    );
+    let (status, h, _) = cluster.post(CHAT, &chat(&[("user", "hi")], 1)).await;
+    assert_eq!(status, 200);
+    assert_eq!(header(&h, "x-sluice-router-version"), "2");
+    let _ = std::fs::remove_dir_all(&dir);
+}

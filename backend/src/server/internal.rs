@@ -27,9 +27,18 @@ use crate::engine::{GenerateEvent, GenerateRequest};
 /// line, ending with `finished` or `error`.
 pub async fn generate(
     State(state): State<Arc<WorkerState>>,
+    headers: axum::http::HeaderMap,
     body: axum::body::Body,
 ) -> Result<Response, ApiError> {
     let request: GenerateRequest = parse(body, MAX_BODY_BYTES).await?;
+    // The gateway passes its request span on (W3C trace context).
+    if let Some(parent) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
+        tracing::debug!(
+            traceparent = parent,
+            prompt_tokens = request.prompt.len(),
+            "generate"
+        );
+    }
     state.metrics.requests.fetch_add(1, Ordering::Relaxed);
     let (_, rx) = state.engine.submit(request);
     let metrics_state = state.clone();

@@ -20,8 +20,9 @@ use crate::admission::Ticket;
 use crate::gateway::Gateway;
 use crate::policy::{AdmissionPolicy, AdmitDecision};
 use crate::preprocess::{Preprocessed, preprocess};
-use crate::telemetry::{RequestOutcome, TraceContext};
+use crate::telemetry::{self, RequestOutcome, TraceContext};
 use crate::upstream::{self, Job};
+use tracing::Instrument;
 
 /// The worker that served a request.
 pub const WORKER_HEADER: &str = "x-sluice-worker";
@@ -61,7 +62,17 @@ async fn handle(
     body: axum::body::Body,
 ) -> Response {
     let arrived = Instant::now();
-    match answer(&gateway, kind, &headers, body, arrived).await {
+    let mut trace =
+        TraceContext::from_header(headers.get("traceparent").and_then(|v| v.to_str().ok()));
+    let name = match kind {
+        Kind::Chat => "POST /v1/chat/completions",
+        Kind::Completion => "POST /v1/completions",
+    };
+    let span = telemetry::request_span(name, &mut trace);
+    match answer(&gateway, kind, &headers, body, arrived, trace)
+        .instrument(span)
+        .await
+    {
         Ok(response) => response,
         Err((outcome, error)) => {
             gateway
@@ -87,6 +98,7 @@ async fn answer(
     headers: &HeaderMap,
     body: axum::body::Body,
     arrived: Instant,
+    trace: TraceContext,
 ) -> Result<Response, Failure> {
     let caller = auth::caller(gateway, headers).map_err(invalid)?;
     let limit = gateway.config.limits.max_body_bytes;
@@ -114,7 +126,6 @@ async fn answer(
         hashes,
     } = pre;
     let reply = prepared.reply;
-    let trace = TraceContext::from_header(headers.get("traceparent").and_then(|v| v.to_str().ok()));
     let body = serde_json::to_vec(&prepared.generate)
         .map_err(|e| (RequestOutcome::failed, ApiError::unavailable(e.to_string())))?;
     let job = Job {
@@ -131,7 +142,7 @@ async fn answer(
     let relay = upstream::relay(gateway.clone(), job, ends);
     if reply.stream {
         // The relay outlives this handler: it feeds the body.
-        tokio::spawn(relay);
+        tokio::spawn(relay.instrument(tracing::Span::current()));
         return Ok(respond(gateway, kind, reply, answer, trace).await);
     }
     // Not streaming: the relay runs in this task, beside the answer.
@@ -159,6 +170,9 @@ async fn respond(
         gateway.instance,
         gateway.next_request.fetch_add(1, Ordering::Relaxed)
     );
+    let span = tracing::Span::current();
+    span.record("worker", head.worker);
+    span.record("cached_blocks", head.cached_blocks);
     tracing::debug!(%id, worker = head.worker, cached_blocks = head.cached_blocks, router_version = ?head.router_version, trace = %format_args!("{:032x}", trace.trace_id), "routed");
     let mut response = match gateway
         .frontend
