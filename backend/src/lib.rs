@@ -1,6 +1,7 @@
 //! sluice's inference worker: models (`model`), CPU compute kernels (`compute`),
 //! the paged KV cache with prefix reuse (`kv`) and the continuous-batching engine
-//! (`engine`). The worker API comes next (`../shared/DESIGN.md`, "Backend").
+//! (`engine`), and the worker's HTTP API with the OpenAI layer the gateway
+//! shares (`server`).
 
 pub mod compute;
 pub mod engine;

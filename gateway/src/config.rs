@@ -28,6 +28,8 @@ pub enum ConfigError {
 pub struct Config {
     /// Where the gateway listens.
     pub listen: SocketAddr,
+    /// HTTP server threads (one runtime each); 0 = one per core.
+    pub threads: usize,
     /// The served model (GGUF file or Hugging Face folder): its tokenizer and
     /// chat template preprocess every request.
     pub model: Option<PathBuf>,
@@ -107,6 +109,7 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            threads: 0,
             model: None,
             served_model_name: None,
             workers: Vec::new(),

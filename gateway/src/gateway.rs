@@ -90,8 +90,9 @@ pub struct Gateway {
     pub policies: Policies,
     pub queue: Arc<AdmissionQueue>,
     pub metrics: Metrics,
-    /// Talks to workers.
-    pub client: reqwest::Client,
+    /// Talks to workers (a template: each server thread uses its own, see
+    /// [`Gateway::client`]).
+    client: reqwest::Client,
     /// The `/admin` bearer token.
     pub admin_token: String,
     /// Response ids: `<prefix>-<instance>-<n>`.
@@ -99,13 +100,12 @@ pub struct Gateway {
     pub next_request: AtomicU64,
 }
 
-/// A running gateway.
+/// A running gateway; dropping it stops its server threads.
 #[derive(Debug)]
 pub struct Running {
     pub gateway: Arc<Gateway>,
     pub addr: SocketAddr,
-    /// Ends when the server stops.
-    pub server: tokio::task::JoinHandle<std::io::Result<()>>,
+    pub server: crate::api::ServerThreads,
 }
 
 impl Gateway {
@@ -120,11 +120,7 @@ impl Gateway {
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        let client = reqwest::Client::builder()
-            .connect_timeout(Duration::from_millis(config.fleet.connect_timeout_ms))
-            .tcp_nodelay(true)
-            .pool_idle_timeout(Duration::from_secs(60))
-            .build()?;
+        let client = worker_client(&config)?;
         let fleet = Arc::new(Fleet::new(config.fleet.clone(), config.block_size));
         let (frontend, embedded) = if config.embedded_workers > 0 {
             // One load of the weights serves every embedded worker.
@@ -167,16 +163,6 @@ impl Gateway {
             tracing::warn!(%token, "no admin token configured; /admin uses this one for this run");
             token
         });
-        let listener = tokio::net::TcpListener::bind(config.listen)
-            .await
-            .map_err(|source| StartError::Listen {
-                addr: config.listen,
-                source,
-            })?;
-        let addr = listener.local_addr().map_err(|source| StartError::Listen {
-            addr: config.listen,
-            source,
-        })?;
         let gateway = Arc::new(Gateway {
             queue: AdmissionQueue::new(config.limits.max_queued),
             instance: format!("{:x}", created ^ u64::from(std::process::id())),
@@ -198,8 +184,19 @@ impl Gateway {
         if let Some(dir) = gateway.config.plugins_dir.clone() {
             crate::admin::watch_plugins_dir(gateway.clone(), dir);
         }
-        tracing::info!(%addr, model = %gateway.frontend.model_name, workers = gateway.fleet.workers().len(), "gateway listening");
-        let server = tokio::spawn(crate::api::serve(listener, gateway.clone()));
+        let threads = match gateway.config.threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
+        let listen = gateway.config.listen;
+        let server = crate::api::start_server_threads(listen, threads, gateway.clone()).map_err(
+            |source| StartError::Listen {
+                addr: listen,
+                source,
+            },
+        )?;
+        let addr = server.addr;
+        tracing::info!(%addr, threads, model = %gateway.frontend.model_name, workers = gateway.fleet.workers().len(), "gateway listening");
         Ok(Running {
             gateway,
             addr,
@@ -216,12 +213,28 @@ impl Gateway {
         worker.id
     }
 
+    /// The calling thread's HTTP client to workers (its own connection pool).
+    pub fn client(&self) -> reqwest::Client {
+        crate::api::thread_client(|| {
+            worker_client(&self.config).unwrap_or_else(|_| self.client.clone())
+        })
+    }
+
     /// How many requests may run at once: per healthy worker, by the limits.
     pub fn capacity(&self) -> u32 {
         self.fleet
             .healthy_count()
             .saturating_mul(self.config.limits.max_running_per_worker)
     }
+}
+
+/// An HTTP client to workers with the configured timeouts.
+fn worker_client(config: &Config) -> Result<reqwest::Client, reqwest::Error> {
+    reqwest::Client::builder()
+        .connect_timeout(Duration::from_millis(config.fleet.connect_timeout_ms))
+        .tcp_nodelay(true)
+        .pool_idle_timeout(Duration::from_secs(60))
+        .build()
 }
 
 fn frontend(

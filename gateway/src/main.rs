@@ -259,7 +259,18 @@ fn run() -> anyhow::Result<()> {
                 let running = Gateway::start(config)
                     .await
                     .map_err(|e| anyhow::anyhow!(sluice_gateway::error_chain(&e)))?;
-                running.server.await??;
+                let mut server = running.server;
+                // Until SIGINT or SIGTERM; then stop accepting and let open
+                // requests finish.
+                let mut term =
+                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+                tracing::info!("shutting down");
+                server.shutdown();
+                tokio::task::spawn_blocking(move || server.join()).await??;
                 anyhow::Ok(())
             })?;
         }

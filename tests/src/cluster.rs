@@ -295,7 +295,7 @@ impl Drop for Cluster {
                 let _ = c.wait();
             }
         }
-        self.gateway.server.abort();
+        self.gateway.server.shutdown();
     }
 }
 

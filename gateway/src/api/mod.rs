@@ -3,7 +3,10 @@
 //! `/health`, with API-key and admin-token checks (`auth`).
 
 mod auth;
+mod server;
 mod v1;
+
+pub use server::{ServerThreads, start as start_server_threads, thread_client};
 
 use std::sync::Arc;
 
@@ -36,10 +39,12 @@ pub fn router(gateway: Arc<Gateway>) -> Router {
         .with_state(gateway)
 }
 
-/// Serves until the listener fails; every accepted socket gets TCP_NODELAY.
-pub async fn serve(
+/// Serves on `listener` until `shutdown` resolves (then lets open
+/// connections finish); every accepted socket gets TCP_NODELAY.
+pub async fn serve_on(
     listener: tokio::net::TcpListener,
     gateway: Arc<Gateway>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     use axum::serve::ListenerExt;
     let listener = listener.tap_io(|tcp| {
@@ -47,7 +52,9 @@ pub async fn serve(
             tracing::warn!(error = %e, "cannot set TCP_NODELAY");
         }
     });
-    axum::serve(listener, router(gateway)).await
+    axum::serve(listener, router(gateway))
+        .with_graceful_shutdown(shutdown)
+        .await
 }
 
 async fn health(State(gateway): State<Arc<Gateway>>) -> Response {

@@ -351,7 +351,7 @@ async fn attempt(
 ) -> Attempt {
     out.buffered.clear();
     let request = gateway
-        .client
+        .client()
         .post(format!("{}/internal/generate", worker.url))
         .header("content-type", "application/json")
         .header("traceparent", job.trace.header())
