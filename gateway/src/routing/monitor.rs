@@ -111,18 +111,19 @@ async fn follow(
                 "kv" => {
                     let e: NumberedKvEvent = serde_json::from_str(&data)
                         .map_err(|e| FollowError::BadEvent(e.to_string()))?;
-                    if e.seq <= last_seq {
-                        continue;
-                    }
-                    if e.seq != last_seq + 1 {
-                        tracing::info!(
-                            worker = worker.id,
-                            expected = last_seq + 1,
-                            got = e.seq,
-                            "KV events skipped; resync"
-                        );
-                        last_seq = resync(fleet, client, worker, timeout).await?;
-                        continue;
+                    match next_step(last_seq, e.seq) {
+                        Step::Skip => continue,
+                        Step::Resync => {
+                            tracing::info!(
+                                worker = worker.id,
+                                expected = last_seq + 1,
+                                got = e.seq,
+                                "KV events skipped; resync"
+                            );
+                            last_seq = resync(fleet, client, worker, timeout).await?;
+                            continue;
+                        }
+                        Step::Apply => {}
                     }
                     apply(fleet, worker.id, e.event);
                     last_seq = e.seq;
@@ -167,6 +168,24 @@ async fn resync(
         .index_mut()
         .replace_worker(worker.id, &snapshot.hashes);
     Ok(snapshot.seq)
+}
+
+/// What to do with KV event `seq` after event `last` was applied.
+#[derive(Debug, PartialEq, Eq)]
+enum Step {
+    /// Already in the snapshot (or seen).
+    Skip,
+    Apply,
+    /// Events were lost in between: read a snapshot.
+    Resync,
+}
+
+fn next_step(last: u64, seq: u64) -> Step {
+    match seq {
+        s if s <= last => Step::Skip,
+        s if s == last + 1 => Step::Apply,
+        _ => Step::Resync,
+    }
 }
 
 fn apply(fleet: &Fleet, worker: u32, event: KvEvent) {
@@ -216,7 +235,17 @@ impl SseBuffer {
 
 #[cfg(test)]
 mod tests {
-    use super::SseBuffer;
+    use super::{SseBuffer, Step, next_step};
+
+    #[test]
+    fn events_in_order_apply_old_ones_skip_a_gap_resyncs() {
+        // After a snapshot at 10: 9 and 10 are in it, 11 follows, 13 means 12 was lost.
+        assert_eq!(next_step(10, 9), Step::Skip);
+        assert_eq!(next_step(10, 10), Step::Skip);
+        assert_eq!(next_step(10, 11), Step::Apply);
+        assert_eq!(next_step(10, 13), Step::Resync);
+        assert_eq!(next_step(0, 1), Step::Apply);
+    }
 
     #[test]
     fn sse_events_split_across_chunks() {
