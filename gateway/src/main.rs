@@ -15,8 +15,7 @@ use sluice_gateway::bench::{
     run_gateway_bench, run_plugin_bench,
 };
 
-/// Where `make model` puts SmolLM2-135M-Instruct.
-const DEFAULT_MODEL: &str = ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+use sluice_backend::model::FETCHED_MODEL as DEFAULT_MODEL;
 use sluice_gateway::config::ProcessEnv;
 use sluice_gateway::plugins::{Admission, Cache, HostConfig, PluginKind, Router, Runtime, Slot};
 use sluice_gateway::{Config, Gateway};

@@ -14,12 +14,7 @@ pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
 
 /// The SmolLM2 GGUF that `make model` fetches (or `$SLUICE_MODEL`).
 pub fn model_path() -> PathBuf {
-    std::env::var_os("SLUICE_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        })
+    sluice_backend::model::fetched_model(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".."))
 }
 
 /// The `sluice` binary of this build (`cargo test --workspace` builds it for

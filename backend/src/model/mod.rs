@@ -15,6 +15,17 @@ pub use tokenizer::{ChatMessage, Tokenizer, TokenizerError};
 
 use std::path::Path;
 
+/// Where `make model` puts SmolLM2-135M-Instruct, from the repository root.
+pub const FETCHED_MODEL: &str = ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// `$SLUICE_MODEL`, else the fetched SmolLM2 under `repo_root` (for tests and
+/// tools that run inside the repository).
+pub fn fetched_model(repo_root: &Path) -> std::path::PathBuf {
+    std::env::var_os("SLUICE_MODEL")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| repo_root.join(FETCHED_MODEL))
+}
+
 /// A model ready to serve: weights, tokenizer, and the name clients use.
 #[derive(Debug)]
 pub struct LoadedModel {
