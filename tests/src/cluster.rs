@@ -205,8 +205,9 @@ impl Cluster {
         }
     }
 
-    /// Sends a signal (`STOP`, `CONT`, ...) to the worker process at `url`.
-    pub fn signal_worker(&self, url: &str, signal: &str) {
+    /// Sends a signal (`libc::SIGSTOP`, `libc::SIGCONT`, ...) to the worker
+    /// process at `url`.
+    pub fn signal_worker(&self, url: &str, signal: libc::c_int) {
         let pid = self
             .workers
             .iter()
@@ -214,12 +215,10 @@ impl Cluster {
             .and_then(|(_, c)| c.as_ref())
             .map(|c| c.id())
             .unwrap_or_else(|| panic!("no live worker process at {url}"));
-        let status = Command::new("kill")
-            .arg(format!("-{signal}"))
-            .arg(pid.to_string())
-            .status()
-            .expect("running kill");
-        assert!(status.success());
+        // SAFETY: kill(2) on a child process id this cluster started and still
+        // owns (it has not been waited for, so the id is not reused).
+        let rc = unsafe { libc::kill(pid as libc::pid_t, signal) };
+        assert_eq!(rc, 0, "kill({pid}, {signal}) failed");
     }
 
     /// Waits (at most 30 s) until the worker `id` is in service or not.

@@ -666,7 +666,7 @@ async fn a_stalled_worker_times_out_and_nothing_hangs() {
     assert_eq!(r.status(), 200);
     let id: u64 = header(r.headers(), "x-sluice-worker").parse().unwrap();
     let url = cluster.worker_url(id).await;
-    cluster.signal_worker(&url, "STOP");
+    cluster.signal_worker(&url, libc::SIGSTOP);
     let stalled_at = Instant::now();
     let text = tokio::time::timeout(Duration::from_secs(30), r.text())
         .await
@@ -689,7 +689,7 @@ async fn a_stalled_worker_times_out_and_nothing_hangs() {
     assert_eq!(status, 200);
     assert_ne!(header(&h, "x-sluice-worker"), id.to_string());
     // Woken up, it comes back into service.
-    cluster.signal_worker(&url, "CONT");
+    cluster.signal_worker(&url, libc::SIGCONT);
     cluster.wait_health(id, true).await;
     assert!(
         cluster
