@@ -338,6 +338,13 @@ async fn router_hot_swap_under_load_drops_nothing() {
     assert_eq!(router["active"]["version"], 6);
     assert_eq!(router["previous"]["version"], 5);
     assert!(router["calls"].as_u64().unwrap() >= 6);
+    // Metrics are per plugin and version: the active and the kept one.
+    let calls = |v: u32, name: &str| {
+        format!("sluice_plugin_calls_total{{slot=\"router\",plugin=\"{name}\",version=\"{v}\"}}")
+    };
+    assert!(cluster.metric(&calls(6, "least-load")).await >= 1.0);
+    assert!(cluster.metric(&calls(5, "kv-aware")).await >= 1.0);
+    assert_eq!(router["versions"].as_array().unwrap().len(), 2);
     // Rollback brings version 5 back.
     let r: Value = cluster
         .client

@@ -15,7 +15,7 @@ use wasmtime::{Store, UpdateDeadline};
 use super::host_state::{DeniedImport, HostState, PluginIdentity, SlotShared};
 use super::kind::PluginKind;
 use super::runtime::Runtime;
-use super::stats::ErrorClass;
+use super::stats::{ErrorClass, SlotStats};
 
 /// Why one plugin call was not answered by the plugin.
 #[derive(Debug)]
@@ -75,6 +75,9 @@ pub struct Generation<K: PluginKind> {
     /// Set (under the `idle` lock) when the version leaves the slot: instances
     /// are no longer pooled.
     retired: AtomicBool,
+    /// This version's own calls, fallbacks and call times (the slot's
+    /// stats sum every version).
+    pub stats: SlotStats,
     /// Failed calls in a row (reset by a success).
     failures_in_a_row: AtomicU32,
     /// Until when (ns since the runtime started) calls go straight to the
@@ -109,6 +112,7 @@ impl<K: PluginKind> Generation<K> {
             exports,
             idle: Mutex::new(Vec::new()),
             retired: AtomicBool::new(false),
+            stats: SlotStats::default(),
             failures_in_a_row: AtomicU32::new(0),
             benched_until_ns: AtomicU64::new(0),
         }
@@ -207,9 +211,11 @@ impl<K: PluginKind> Generation<K> {
         let now_ns = started.duration_since(self.runtime.started).as_nanos() as u64;
         if now_ns < self.benched_until_ns.load(Ordering::Relaxed) {
             stats.count_fallback(ErrorClass::Benched);
+            self.stats.count_fallback(ErrorClass::Benched);
             return Err(ErrorClass::Benched);
         }
         stats.calls.fetch_add(1, Ordering::Relaxed);
+        self.stats.calls.fetch_add(1, Ordering::Relaxed);
         let pooled = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
         let mut pooled = match pooled {
             Some(p) => p,
@@ -222,7 +228,9 @@ impl<K: PluginKind> Generation<K> {
         };
         pooled.arm(self.runtime.config.call_cpu_budget, started);
         let result = call(&mut pooled);
-        stats.call_ns.record(started.elapsed().as_nanos() as f64);
+        let elapsed_ns = started.elapsed().as_nanos() as f64;
+        stats.call_ns.record(elapsed_ns);
+        self.stats.call_ns.record(elapsed_ns);
         match result {
             Ok(answer) => {
                 self.failures_in_a_row.store(0, Ordering::Relaxed);
@@ -269,6 +277,7 @@ impl<K: PluginKind> Generation<K> {
         };
         let class = class.unwrap_or(found);
         self.slot.stats.count_fallback(class);
+        self.stats.count_fallback(class);
         let in_a_row = self.failures_in_a_row.fetch_add(1, Ordering::Relaxed) + 1;
         let config = &self.runtime.config;
         let mut benched = Duration::ZERO;

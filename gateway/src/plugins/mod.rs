@@ -16,5 +16,5 @@ pub use generation::Generation;
 pub use host_state::PluginIdentity;
 pub use kind::{Admission, Cache, PluginKind, Router, WasmAdmission, WasmCachePolicy, WasmRouter};
 pub use runtime::{HostConfig, Runtime};
-pub use slot::{LoadError, LoadTimings, PACKAGE, PACKAGE_VERSION, Slot, SlotStatus};
+pub use slot::{LoadError, LoadTimings, PACKAGE, PACKAGE_VERSION, Slot, SlotStatus, VersionStatus};
 pub use stats::{ErrorClass, LogHistogram};

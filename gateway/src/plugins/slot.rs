@@ -113,6 +113,38 @@ pub struct SlotStatus {
     pub logs_dropped: u64,
     pub metrics_refused: u64,
     pub counters: Vec<(String, u64)>,
+    /// The active and previous versions' own figures.
+    pub versions: Vec<VersionStatus>,
+}
+
+/// One version's own calls, fallbacks and call times.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct VersionStatus {
+    pub plugin: String,
+    pub version: u64,
+    pub active: bool,
+    pub calls: u64,
+    pub errors: Vec<(&'static str, u64)>,
+    pub call_p50_ns: f64,
+    pub call_p99_ns: f64,
+}
+
+impl VersionStatus {
+    fn of<K: PluginKind>(generation: &Generation<K>, active: bool) -> Self {
+        let stats = &generation.stats;
+        Self {
+            plugin: generation.identity.name.clone(),
+            version: generation.identity.version,
+            active,
+            calls: stats.calls.load(Ordering::Relaxed),
+            errors: super::stats::ErrorClass::ALL
+                .iter()
+                .map(|&c| (c.as_str(), stats.fallbacks(c)))
+                .collect(),
+            call_p50_ns: stats.call_ns.quantile(0.5),
+            call_p99_ns: stats.call_ns.quantile(0.99),
+        }
+    }
 }
 
 /// The slot of one plugin kind.
@@ -360,6 +392,12 @@ impl<K: PluginKind> Slot<K> {
             logs_dropped: stats.logs_dropped.load(Ordering::Relaxed),
             metrics_refused: self.shared.metrics.refused.load(Ordering::Relaxed),
             counters: self.shared.metrics.counters(),
+            versions: self
+                .current()
+                .map(|g| VersionStatus::of(&g, true))
+                .into_iter()
+                .chain(previous.as_ref().map(|g| VersionStatus::of(g, false)))
+                .collect(),
         }
     }
 }

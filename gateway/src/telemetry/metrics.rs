@@ -167,47 +167,43 @@ impl Metrics {
     }
 }
 
-/// The plugin slots' series, labelled with the active plugin and version.
+/// The plugin slots' series, per version (the active one and the one kept
+/// for rollback), labelled with slot, plugin and version.
 fn render_plugins(out: &mut String, slots: &[SlotStatus]) {
-    let labels = |s: &SlotStatus| {
-        let (plugin, version) = s
-            .active
-            .as_ref()
-            .map_or(("builtin".to_string(), 0), |a| (a.name.clone(), a.version));
-        format!(
-            "slot=\"{}\",plugin=\"{}\",version=\"{version}\"",
-            s.slot,
-            plugin.replace(['"', '\\', '\n'], "_")
-        )
+    let versions = || {
+        slots.iter().flat_map(|s| {
+            s.versions.iter().map(move |v| {
+                let labels = format!(
+                    "slot=\"{}\",plugin=\"{}\",version=\"{}\"",
+                    s.slot,
+                    v.plugin.replace(['"', '\\', '\n'], "_"),
+                    v.version
+                );
+                (labels, v)
+            })
+        })
     };
     out.push_str("# HELP sluice_plugin_calls Plugin calls.\n# TYPE sluice_plugin_calls counter\n");
-    for s in slots {
-        let _ = writeln!(
-            out,
-            "sluice_plugin_calls_total{{{}}} {}",
-            labels(s),
-            s.calls
-        );
+    for (labels, v) in versions() {
+        let _ = writeln!(out, "sluice_plugin_calls_total{{{labels}}} {}", v.calls);
     }
     out.push_str(
         "# HELP sluice_plugin_fallbacks Calls answered by the built-in policy after a plugin failure.\n# TYPE sluice_plugin_fallbacks counter\n",
     );
-    for s in slots {
-        for (class, n) in &s.errors {
+    for (labels, v) in versions() {
+        for (class, n) in &v.errors {
             let _ = writeln!(
                 out,
-                "sluice_plugin_fallbacks_total{{{},class=\"{class}\"}} {n}",
-                labels(s)
+                "sluice_plugin_fallbacks_total{{{labels},class=\"{class}\"}} {n}"
             );
         }
     }
     out.push_str("# HELP sluice_plugin_call_seconds Plugin call time.\n# TYPE sluice_plugin_call_seconds summary\n");
-    for s in slots {
-        for (q, ns) in [("0.5", s.call_p50_ns), ("0.99", s.call_p99_ns)] {
+    for (labels, v) in versions() {
+        for (q, ns) in [("0.5", v.call_p50_ns), ("0.99", v.call_p99_ns)] {
             let _ = writeln!(
                 out,
-                "sluice_plugin_call_seconds{{{},quantile=\"{q}\"}} {}",
-                labels(s),
+                "sluice_plugin_call_seconds{{{labels},quantile=\"{q}\"}} {}",
                 ns / 1e9
             );
         }
