@@ -81,6 +81,20 @@ fn process_cpu_ns(pid: u32) -> Option<u64> {
     Some(total)
 }
 
+/// User and system CPU time of `pid` so far, in µs (`/proc/<pid>/stat`,
+/// clock ticks: 10 ms resolution, fine over a phase of a thousand requests).
+fn process_user_sys_us(pid: u32) -> Option<(f64, f64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces) start after ')'.
+    let rest = text.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the file: 12 and 13 after ')'.
+    let ticks = |i: usize| fields.get(i)?.parse::<f64>().ok();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    Some((ticks(11)? * 1e6 / hz, ticks(12)? * 1e6 / hz))
+}
+
 fn free_port() -> std::io::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
@@ -121,12 +135,24 @@ fn request_body(stream: bool) -> Value {
     })
 }
 
+/// What the summary is computed from.
+struct Figures {
+    mode: &'static str,
+    target: &'static str,
+    p50: f64,
+    p99: f64,
+    cpu: Option<f64>,
+    user: Option<f64>,
+}
+
 /// One measured phase against one target.
 #[derive(Debug)]
 struct Phase {
     latencies_us: Vec<f64>,
     errors: u64,
     cpu_ns: Option<u64>,
+    /// User and system CPU over the phase, in µs.
+    user_sys_us: Option<(f64, f64)>,
 }
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -150,6 +176,7 @@ async fn run_phase(
     let results = Arc::new(Mutex::new(Vec::with_capacity(n as usize)));
     let errors = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let cpu_before = pid.and_then(process_cpu_ns);
+    let split_before = pid.and_then(process_user_sys_us);
     let start = tokio::time::Instant::now();
     let mut tasks = Vec::with_capacity(n as usize);
     for i in 0..n {
@@ -180,12 +207,16 @@ async fn run_phase(
         let _ = t.await;
     }
     let cpu_after = pid.and_then(process_cpu_ns);
+    let split_after = pid.and_then(process_user_sys_us);
     let mut latencies_us = std::mem::take(&mut *results.lock().unwrap_or_else(|e| e.into_inner()));
     latencies_us.sort_by(f64::total_cmp);
     Phase {
         latencies_us,
         errors: errors.load(std::sync::atomic::Ordering::Relaxed),
         cpu_ns: cpu_before.zip(cpu_after).map(|(a, b)| b.saturating_sub(a)),
+        user_sys_us: split_before
+            .zip(split_after)
+            .map(|((u0, s0), (u1, s1))| (u1 - u0, s1 - s0)),
     }
 }
 
@@ -296,7 +327,7 @@ pub fn run_gateway_bench(
         } else {
             None
         };
-        let mut figures: Vec<(String, &str, f64, f64, Option<f64>)> = Vec::new();
+        let mut figures: Vec<Figures> = Vec::new();
         for (mode, stream) in [("non_streaming", false), ("streaming", true)] {
             for (name, url, pid) in &targets {
                 // Warm-up: connections, caches, the plugin's pool.
@@ -304,6 +335,10 @@ pub fn run_gateway_bench(
                 let phase = run_phase(&client, url, stream, options.rate, options.seconds, *pid).await;
                 let n = phase.latencies_us.len() as f64;
                 let cpu = phase.cpu_ns.map(|ns| ns as f64 / 1e3 / (n + phase.errors as f64).max(1.0));
+                let per_req = (n + phase.errors as f64).max(1.0);
+                let (user, sys) = phase
+                    .user_sys_us
+                    .map_or((None, None), |(u, s)| (Some(u / per_req), Some(s / per_req)));
                 let p50 = percentile(&phase.latencies_us, 0.5);
                 let p99 = percentile(&phase.latencies_us, 0.99);
                 let row = json!({
@@ -312,26 +347,40 @@ pub fn run_gateway_bench(
                     "p50_us": p50, "p99_us": p99,
                     "mean_us": phase.latencies_us.iter().sum::<f64>() / n.max(1.0),
                     "cpu_us_per_req": cpu,
+                    "user_us_per_req": user, "sys_us_per_req": sys,
                 });
                 line(&row);
-                figures.push((mode.to_string(), name, p50, p99, cpu));
+                figures.push(Figures {
+                    mode,
+                    target: name,
+                    p50,
+                    p99,
+                    cpu,
+                    user,
+                });
             }
         }
         drop(peer);
         drop(sluice);
         let _ = std::fs::remove_dir_all(&dir);
-        let get = |mode: &str, target: &str| figures.iter().find(|f| f.0 == mode && f.1 == target);
+        let get = |mode: &str, target: &str| {
+            figures
+                .iter()
+                .find(|f| f.mode == mode && f.target == target)
+        };
         let mut summary = json!({"bench": "gateway", "summary": true, "rate_per_s": options.rate, "upstream_tokens": options.tokens});
         for (mode, prefix) in [("non_streaming", ""), ("streaming", "stream_")] {
             let (Some(direct), Some(ours)) = (get(mode, "direct"), get(mode, "sluice")) else { continue };
-            summary[format!("{prefix}added_p50_us")] = json!(ours.2 - direct.2);
-            summary[format!("{prefix}added_p99_us")] = json!(ours.3 - direct.3);
-            summary[format!("{prefix}cpu_us_per_req")] = json!(ours.4);
+            summary[format!("{prefix}added_p50_us")] = json!(ours.p50 - direct.p50);
+            summary[format!("{prefix}added_p99_us")] = json!(ours.p99 - direct.p99);
+            summary[format!("{prefix}cpu_us_per_req")] = json!(ours.cpu);
+            summary[format!("{prefix}user_us_per_req")] = json!(ours.user);
             if let Some(peer) = get(mode, "sglang_router") {
-                summary[format!("{prefix}peer_added_p50_us")] = json!(peer.2 - direct.2);
-                summary[format!("{prefix}peer_added_p99_us")] = json!(peer.3 - direct.3);
-                summary[format!("{prefix}peer_cpu_us_per_req")] = json!(peer.4);
-                if let (Some(a), Some(b)) = (ours.4, peer.4) {
+                summary[format!("{prefix}peer_added_p50_us")] = json!(peer.p50 - direct.p50);
+                summary[format!("{prefix}peer_added_p99_us")] = json!(peer.p99 - direct.p99);
+                summary[format!("{prefix}peer_cpu_us_per_req")] = json!(peer.cpu);
+                summary[format!("{prefix}peer_user_us_per_req")] = json!(peer.user);
+                if let (Some(a), Some(b)) = (ours.cpu, peer.cpu) {
                     summary[format!("{prefix}cpu_ratio_vs_peer")] = json!(a / b);
                 }
             }
