@@ -73,8 +73,8 @@ pub struct Limits {
     pub request_timeout_ms: u64,
     /// The longest wait for the next token of a running request.
     pub idle_stream_timeout_ms: u64,
-    /// Requests the gateway lets run at once per healthy worker; more wait in
-    /// the admission queue.
+    /// Requests the gateway lets run at once per healthy worker when the
+    /// admission policy queues (the built-in policy admits everything).
     pub max_running_per_worker: u32,
     /// Requests that may wait in the admission queue.
     pub max_queued: u32,
@@ -247,6 +247,33 @@ impl Config {
         if self.admin_token.as_deref().is_some_and(|t| t.len() < 16) {
             return Err(ConfigError::Invalid(
                 "admin_token must be at least 16 characters".into(),
+            ));
+        }
+        const DAY_MS: u64 = 86_400_000;
+        let limits = &self.limits;
+        for (name, ms) in [
+            ("limits.request_timeout_ms", limits.request_timeout_ms),
+            (
+                "limits.idle_stream_timeout_ms",
+                limits.idle_stream_timeout_ms,
+            ),
+            (
+                "fleet.heartbeat_timeout_ms",
+                self.fleet.heartbeat_timeout_ms,
+            ),
+            ("fleet.reconnect_ms", self.fleet.reconnect_ms),
+            ("fleet.registration_ttl_ms", self.fleet.registration_ttl_ms),
+            ("fleet.connect_timeout_ms", self.fleet.connect_timeout_ms),
+        ] {
+            if !(1..=DAY_MS).contains(&ms) {
+                return Err(ConfigError::Invalid(format!(
+                    "{name} must be between 1 and {DAY_MS} (a day), got {ms}"
+                )));
+            }
+        }
+        if limits.max_running_per_worker == 0 {
+            return Err(ConfigError::Invalid(
+                "limits.max_running_per_worker must be at least 1".into(),
             ));
         }
         if self.fleet.max_attempts == 0 {

@@ -98,6 +98,9 @@ pub struct Gateway {
     /// Response ids: `<prefix>-<instance>-<n>`.
     pub instance: String,
     pub next_request: AtomicU64,
+    /// The runtime `start` ran on: worker monitors live there, never on a
+    /// server thread whose request work could delay their heartbeats.
+    background: tokio::runtime::Handle,
 }
 
 /// A running gateway; dropping it stops its server threads.
@@ -154,15 +157,17 @@ impl Gateway {
         if let Some(dir) = &config.plugins_dir {
             crate::admin::load_plugins_dir(&policies, dir)?;
         }
-        let admin_token = config.admin_token.clone().unwrap_or_else(|| {
-            let token = format!(
-                "{:016x}{:016x}",
-                crate::telemetry::TraceContext::from_header(None).trace_id,
-                created
-            );
-            tracing::warn!(%token, "no admin token configured; /admin uses this one for this run");
-            token
-        });
+        let admin_token = match config.admin_token.clone() {
+            Some(t) => t,
+            None => {
+                let token = random_token().map_err(|source| StartError::Read {
+                    path: "/dev/urandom".into(),
+                    source,
+                })?;
+                tracing::warn!(%token, "no admin token configured; /admin uses this random one for this run");
+                token
+            }
+        };
         let gateway = Arc::new(Gateway {
             queue: AdmissionQueue::new(config.limits.max_queued),
             instance: format!("{:x}", created ^ u64::from(std::process::id())),
@@ -174,6 +179,7 @@ impl Gateway {
             client,
             admin_token,
             next_request: AtomicU64::new(1),
+            background: tokio::runtime::Handle::current(),
         });
         for url in &embedded {
             gateway.add_worker(url, Origin::Embedded);
@@ -208,6 +214,7 @@ impl Gateway {
     pub fn add_worker(&self, url: &str, origin: Origin) -> u32 {
         let (worker, new) = self.fleet.add(url, origin);
         if new {
+            let _guard = self.background.enter();
             crate::routing::spawn_monitor(self.fleet.clone(), self.client.clone(), worker.clone());
         }
         worker.id
@@ -226,6 +233,14 @@ impl Gateway {
             .healthy_count()
             .saturating_mul(self.config.limits.max_running_per_worker)
     }
+}
+
+/// 128 random bits from the kernel, in hex.
+fn random_token() -> std::io::Result<String> {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// An HTTP client to workers with the configured timeouts.

@@ -16,6 +16,11 @@ use super::byte_level::ByteLevelEncoder;
 const MIN_CACHED_BYTES: usize = 32;
 /// Entries per generation; at most twice this many are kept.
 const GENERATION_ENTRIES: usize = 4096;
+/// Bytes (text plus ids) per generation: clients choose what is cached, so
+/// the cache is bounded by size too (at most twice this is kept).
+const GENERATION_BYTES: usize = 16 << 20;
+/// A segment larger than this is not cached at all.
+const MAX_CACHED_BYTES: usize = GENERATION_BYTES / 8;
 
 /// Finds added tokens and remembers the ids of long segments.
 pub struct SegmentEncoder {
@@ -23,9 +28,8 @@ pub struct SegmentEncoder {
     /// Pattern index -> token id.
     ids: Vec<u32>,
     cache: Mutex<Generations>,
-    /// The fast encoder for tokenizers built as byte-level BPE here; `None` =
-    /// `tokenizers`' own pipeline.
-    byte_level: Option<ByteLevelEncoder>,
+    /// The byte-level encoder of each segment.
+    byte_level: ByteLevelEncoder,
 }
 
 impl std::fmt::Debug for SegmentEncoder {
@@ -39,15 +43,34 @@ impl std::fmt::Debug for SegmentEncoder {
 #[derive(Default)]
 struct Generations {
     current: HashMap<Box<str>, Arc<[u32]>>,
+    /// Bytes held by `current` (text and ids).
+    current_bytes: usize,
     old: HashMap<Box<str>, Arc<[u32]>>,
 }
 
+impl Generations {
+    /// Adds an entry, starting a new generation when the current one is full.
+    fn insert(&mut self, text: &str, ids: Arc<[u32]>) {
+        let bytes = text.len() + ids.len() * 4;
+        if self.current.len() >= GENERATION_ENTRIES || self.current_bytes + bytes > GENERATION_BYTES
+        {
+            self.old = std::mem::take(&mut self.current);
+            self.current_bytes = 0;
+        }
+        self.current_bytes += bytes;
+        self.current.insert(text.into(), ids);
+    }
+}
+
 impl SegmentEncoder {
-    /// For `inner`, if segment-wise encoding gives exactly its ids: no
-    /// normalizer, and added tokens matched on the raw text as whole strings.
+    /// For `inner`, built here as byte-level BPE (`byte_level`), when
+    /// segment-wise encoding gives exactly its ids: no normalizer, and added
+    /// tokens matched on the raw text as whole strings. Other pre-tokenizers
+    /// may depend on where a segment starts (Metaspace's "first" prefix), so
+    /// they get no segments.
     pub fn for_tokenizer(
         inner: &tokenizers::Tokenizer,
-        byte_level: Option<ByteLevelEncoder>,
+        byte_level: ByteLevelEncoder,
     ) -> Option<SegmentEncoder> {
         if inner.get_normalizer().is_some() {
             return None;
@@ -98,7 +121,7 @@ impl SegmentEncoder {
         if text.is_empty() {
             return Ok(());
         }
-        if text.len() < MIN_CACHED_BYTES {
+        if text.len() < MIN_CACHED_BYTES || text.len() > MAX_CACHED_BYTES {
             return self.encode_segment(text, inner, out);
         }
         if let Some(ids) = self.lookup(text) {
@@ -108,11 +131,10 @@ impl SegmentEncoder {
         let from = out.len();
         self.encode_segment(text, inner, out)?;
         let ids: Arc<[u32]> = out[from..].into();
-        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        if cache.current.len() >= GENERATION_ENTRIES {
-            cache.old = std::mem::take(&mut cache.current);
-        }
-        cache.current.insert(text.into(), ids);
+        self.cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(text, ids);
         Ok(())
     }
 
@@ -122,13 +144,7 @@ impl SegmentEncoder {
         inner: &tokenizers::Tokenizer,
         out: &mut Vec<u32>,
     ) -> tokenizers::Result<()> {
-        match &self.byte_level {
-            Some(fast) => fast.encode(text, inner.get_model(), out),
-            None => {
-                out.extend_from_slice(inner.encode_fast(text, false)?.get_ids());
-                Ok(())
-            }
-        }
+        self.byte_level.encode(text, inner.get_model(), out)
     }
 
     /// A cached segment; one found in the old generation moves to the new one.
@@ -138,10 +154,7 @@ impl SegmentEncoder {
             return Some(ids.clone());
         }
         let ids = cache.old.remove(text)?;
-        if cache.current.len() >= GENERATION_ENTRIES {
-            cache.old = std::mem::take(&mut cache.current);
-        }
-        cache.current.insert(text.into(), ids.clone());
+        cache.insert(text, ids.clone());
         Some(ids)
     }
 }

@@ -152,10 +152,7 @@ impl Tokenizer {
             }
         }
         Ok(Tokenizer {
-            segments: SegmentEncoder::for_tokenizer(
-                &inner,
-                Some(ByteLevelEncoder::new(isolate_digits)),
-            ),
+            segments: SegmentEncoder::for_tokenizer(&inner, ByteLevelEncoder::new(isolate_digits)),
             inner,
             bos,
             eos,
@@ -204,7 +201,8 @@ impl Tokenizer {
             }
         }
         Ok(Tokenizer {
-            segments: SegmentEncoder::for_tokenizer(&inner, None),
+            // Hugging Face tokenizers: `tokenizers`' own pipeline, whole text.
+            segments: None,
             inner,
             bos,
             eos,

@@ -294,7 +294,10 @@ impl Frontend {
                     "the prompt has {} tokens; the model's context is {context}",
                     prompt.len()
                 ),
-                Some("messages"),
+                Some(match kind {
+                    Kind::Chat => "messages",
+                    Kind::Completion => "prompt",
+                }),
             ));
         }
         let room = (context - prompt.len()) as u32;

@@ -15,12 +15,14 @@ use crate::preprocess::Caller;
 
 /// The bearer token of an `Authorization` header.
 fn bearer(headers: &HeaderMap) -> Option<&str> {
-    headers
+    let value = headers
         .get(axum::http::header::AUTHORIZATION)?
         .to_str()
         .ok()?
-        .strip_prefix("Bearer ")
-        .map(str::trim)
+        .trim_start();
+    // The scheme is case-insensitive (RFC 9110).
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
 
 /// Compares without returning early at the first differing byte.
@@ -103,6 +105,8 @@ mod tests {
         assert_eq!(bearer(&h), None);
         h.insert("authorization", "Bearer sk-1 ".parse().unwrap());
         assert_eq!(bearer(&h), Some("sk-1"));
+        h.insert("authorization", "bearer sk-2".parse().unwrap());
+        assert_eq!(bearer(&h), Some("sk-2"));
         h.insert("authorization", "Basic xyz".parse().unwrap());
         assert_eq!(bearer(&h), None);
         assert!(same_secret("abc", "abc"));

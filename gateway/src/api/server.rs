@@ -1,8 +1,9 @@
 //! The HTTP server's threads: one current-thread tokio runtime per thread,
 //! each accepting on its own `SO_REUSEPORT` listener of the same address, so
-//! a request is read, preprocessed, relayed and answered on one thread with no
-//! cross-thread wake-ups (the kernel spreads connections over the threads).
-//! Each thread has its own HTTP client (and connection pool) to the workers.
+//! a request is read, preprocessed, relayed and answered on one thread (the
+//! kernel spreads connections over the threads; only the admission queue and
+//! the shared fleet state are touched across threads). Each thread has its
+//! own HTTP client (and connection pool) to the workers.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -77,10 +78,12 @@ pub fn start(
     threads: usize,
     gateway: Arc<Gateway>,
 ) -> std::io::Result<ServerThreads> {
+    // A plain bind first: if another process already serves this address
+    // (with SO_REUSEPORT it would silently share it), fail now.
+    let addr = std::net::TcpListener::bind(addr)?.local_addr()?;
     let (stop, stopped) = watch::channel(false);
     let (bound_tx, bound_rx) = std::sync::mpsc::channel::<std::io::Result<SocketAddr>>();
     let mut handles = Vec::new();
-    let mut addr = addr;
     for i in 0..threads.max(1) {
         let (gateway, mut stopped, bound_tx) = (gateway.clone(), stopped.clone(), bound_tx.clone());
         let handle = std::thread::Builder::new()
@@ -108,11 +111,9 @@ pub fn start(
                 })
             })?;
         handles.push(handle);
-        // The first thread picks the port; the others bind the same one.
-        let local = bound_rx
+        bound_rx
             .recv()
             .map_err(|_| std::io::Error::other("a server thread stopped before binding"))??;
-        addr = local;
     }
     Ok(ServerThreads {
         addr,

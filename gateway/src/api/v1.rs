@@ -16,7 +16,7 @@ use sluice_backend::server::ApiError;
 use sluice_backend::server::openai::{ChatRequest, CompletionRequest, Kind, Prepared, parse};
 
 use super::auth;
-use crate::admission::Ticket;
+use crate::admission::{QueueError, Ticket};
 use crate::gateway::Gateway;
 use crate::policy::{AdmissionPolicy, AdmitDecision};
 use crate::preprocess::{Preprocessed, preprocess};
@@ -195,34 +195,80 @@ async fn respond(
     response
 }
 
-/// Asks the admission policy; waits in the queue if it says so.
+/// Asks the admission policy; waits in the queue if it says so, and asks
+/// again each time the queue gives the request a place (as the WIT contract
+/// says). A policy that keeps queueing is asked at most every
+/// [`REQUEUE_PAUSE`]; the request deadline bounds it all.
 async fn admit(
     gateway: &Arc<Gateway>,
     pre: &Preprocessed,
     deadline: Instant,
 ) -> Result<Ticket, Failure> {
     let queue = &gateway.queue;
-    queue.set_capacity(gateway.capacity());
-    let saturation = gateway.fleet.saturation(queue.waiting());
-    match gateway.policies.admission.admit(&pre.view, &saturation) {
-        AdmitDecision::Admit => Ok(queue.admit()),
-        AdmitDecision::Queue(priority) => queue.enqueue(priority, deadline).await.map_err(|e| {
-            (
-                RequestOutcome::rejected,
-                ApiError {
-                    status: StatusCode::TOO_MANY_REQUESTS,
-                    message: e.to_string(),
-                    param: None,
-                },
-            )
-        }),
-        AdmitDecision::Reject(r) => Err((
-            RequestOutcome::rejected,
-            ApiError {
-                status: StatusCode::from_u16(r.status).unwrap_or(StatusCode::TOO_MANY_REQUESTS),
-                message: r.message,
-                param: None,
-            },
-        )),
+    let mut place: Option<Ticket> = None;
+    loop {
+        queue.set_capacity(gateway.capacity());
+        let saturation = gateway.fleet.saturation(queue.waiting());
+        let priority = match gateway.policies.admission.admit(&pre.view, &saturation) {
+            AdmitDecision::Admit => return Ok(place.unwrap_or_else(|| queue.admit())),
+            AdmitDecision::Reject(r) => {
+                let done = rejected_completion(pre);
+                gateway.policies.admission.on_complete(&done);
+                return Err((
+                    RequestOutcome::rejected,
+                    ApiError {
+                        status: StatusCode::from_u16(r.status)
+                            .unwrap_or(StatusCode::TOO_MANY_REQUESTS),
+                        message: r.message,
+                        param: None,
+                    },
+                ));
+            }
+            AdmitDecision::Queue(priority) => priority,
+        };
+        if place.take().is_some() {
+            // Queued again after a place freed up: give it back, pause.
+            tokio::time::sleep_until(deadline.min(Instant::now() + REQUEUE_PAUSE).into()).await;
+        }
+        match queue.enqueue(priority, deadline).await {
+            Ok(ticket) => place = Some(ticket),
+            Err(e) => {
+                gateway
+                    .policies
+                    .admission
+                    .on_complete(&rejected_completion(pre));
+                let status = match e {
+                    QueueError::Full(_) => StatusCode::TOO_MANY_REQUESTS,
+                    QueueError::TimedOut => StatusCode::SERVICE_UNAVAILABLE,
+                };
+                return Err((
+                    RequestOutcome::rejected,
+                    ApiError {
+                        status,
+                        message: e.to_string(),
+                        param: None,
+                    },
+                ));
+            }
+        }
+    }
+}
+
+/// The least time between two admission asks for a request the policy keeps
+/// queueing.
+const REQUEUE_PAUSE: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// What the admission policy hears of a request it refused (or that waited
+/// in its queue in vain).
+fn rejected_completion(pre: &Preprocessed) -> crate::policy::Completion {
+    crate::policy::Completion {
+        tenant_id: pre.view.tenant_id,
+        session_hash: pre.view.session_hash,
+        priority: pre.view.priority,
+        prompt_tokens: pre.view.prompt_tokens,
+        cached_tokens: 0,
+        output_tokens: 0,
+        outcome: crate::policy::Outcome::Rejected,
+        duration_us: 0,
     }
 }

@@ -1,7 +1,8 @@
 //! The fleet: the workers the gateway knows (static, self-registered or
 //! embedded), each one's health and load, and the KV index their events feed.
-//! Requests read it lock-free ([`Fleet::candidates`]); one monitor task per
-//! worker ([`super::monitor`]) writes it.
+//! Requests read the worker list without a lock (arc-swap) and the index
+//! under a read lock ([`Fleet::candidates`]); one monitor task per worker
+//! ([`super::monitor`]) writes them.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};

@@ -83,7 +83,9 @@ async fn follow(
     }
     // Subscribe first, then read the snapshot: events numbered after the
     // snapshot are applied, earlier ones skipped, so nothing falls between.
-    let events = client.get(format!("{}/events", worker.url)).send().await?;
+    let events = tokio::time::timeout(timeout, client.get(format!("{}/events", worker.url)).send())
+        .await
+        .map_err(|_| FollowError::Silent(timeout))??;
     if !events.status().is_success() {
         return Err(FollowError::Status(events.status()));
     }
@@ -125,7 +127,7 @@ async fn follow(
                         }
                         Step::Apply => {}
                     }
-                    apply(fleet, worker.id, e.event);
+                    apply(fleet, worker, e.event);
                     last_seq = e.seq;
                 }
                 "lagged" => {
@@ -188,8 +190,13 @@ fn next_step(last: u64, seq: u64) -> Step {
     }
 }
 
-fn apply(fleet: &Fleet, worker: u32, event: KvEvent) {
+fn apply(fleet: &Fleet, worker: &Worker, event: KvEvent) {
     let mut index = fleet.index_mut();
+    // Removal clears the worker's blocks under this lock: nothing after it.
+    if worker.is_removed() {
+        return;
+    }
+    let worker = worker.id;
     match event {
         KvEvent::Stored { hashes, .. } => index.store(worker, &hashes),
         KvEvent::Removed { hashes } => index.remove(worker, &hashes),

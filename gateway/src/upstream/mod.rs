@@ -367,14 +367,19 @@ async fn attempt(
         Ok(Ok(r)) => r,
     };
     let status = response.status();
-    if status.is_server_error() {
+    if !status.is_success() && !refused_by_worker(status.as_u16()) {
+        // Unavailable, overloaded, or not a worker at that URL: another may do.
         return Attempt::Retry(format!("it answered {status}"));
     }
     if !status.is_success() {
-        let message = response
-            .json::<serde_json::Value>()
-            .await
+        let body = tokio::time::timeout_at(
+            job.deadline.min(Instant::now() + ERROR_BODY_WAIT).into(),
+            response.json::<serde_json::Value>(),
+        )
+        .await;
+        let message = body
             .ok()
+            .and_then(Result::ok)
             .and_then(|v| v["error"]["message"].as_str().map(String::from))
             .unwrap_or_else(|| format!("the worker answered {status}"));
         return Attempt::Refused(ApiError {
@@ -466,6 +471,11 @@ async fn attempt(
                     ));
                     return Attempt::Finished(usage);
                 }
+                GenerateEvent::Error { message, status }
+                    if !out.started() && !status.is_none_or(refused_by_worker) =>
+                {
+                    return Attempt::Retry(format!("it failed the request: {message}"));
+                }
                 GenerateEvent::Error { message, status } if !out.started() => {
                     return Attempt::Refused(ApiError {
                         status: status
@@ -491,6 +501,16 @@ async fn attempt(
             }
         }
     }
+}
+
+/// How long the error body of a refusing worker is waited for.
+const ERROR_BODY_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Statuses that mean the request itself is at fault (every worker would
+/// refuse it): passed on to the client. Anything else is the worker's problem
+/// and another worker is tried.
+fn refused_by_worker(status: u16) -> bool {
+    matches!(status, 400 | 413 | 422)
 }
 
 /// A worker failed mid-request: retry if the client has seen nothing.
