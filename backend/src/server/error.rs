@@ -15,6 +15,15 @@ pub struct ApiError {
 }
 
 impl ApiError {
+    /// An error with no request field at fault.
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            param: None,
+        }
+    }
+
     pub fn invalid(message: impl Into<String>, param: Option<&'static str>) -> Self {
         Self {
             status: StatusCode::BAD_REQUEST,

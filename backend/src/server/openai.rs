@@ -137,13 +137,12 @@ pub async fn parse<T: serde::de::DeserializeOwned>(
     body: axum::body::Body,
     limit: usize,
 ) -> Result<T, ApiError> {
-    let bytes = axum::body::to_bytes(body, limit)
-        .await
-        .map_err(|_| ApiError {
-            status: StatusCode::PAYLOAD_TOO_LARGE,
-            message: format!("the request body is over {limit} bytes"),
-            param: None,
-        })?;
+    let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the request body is over {limit} bytes"),
+        )
+    })?;
     serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::invalid(format!("invalid request body: {e}"), None))
 }

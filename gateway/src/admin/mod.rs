@@ -63,12 +63,7 @@ async fn remove(State(gateway): State<Arc<Gateway>>, Path(id): Path<u32>) -> Res
     if gateway.fleet.remove(id) {
         StatusCode::NO_CONTENT.into_response()
     } else {
-        ApiError {
-            status: StatusCode::NOT_FOUND,
-            message: format!("no worker {id}"),
-            param: None,
-        }
-        .into_response()
+        ApiError::new(StatusCode::NOT_FOUND, format!("no worker {id}")).into_response()
     }
 }
 
@@ -107,10 +102,11 @@ impl SlotName {
         Self::ALL
             .into_iter()
             .find(|n| n.as_str() == s)
-            .ok_or_else(|| ApiError {
-                status: StatusCode::NOT_FOUND,
-                message: format!("no slot `{s}`: the slots are router, admission, cache-policy"),
-                param: None,
+            .ok_or_else(|| {
+                ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    format!("no slot `{s}`: the slots are router, admission, cache-policy"),
+                )
             })
     }
 }
@@ -147,11 +143,10 @@ async fn put_plugin(
                 .into_response();
         }
         Err(_) => {
-            return ApiError {
-                status: StatusCode::PAYLOAD_TOO_LARGE,
-                message: format!("a component may be at most {MAX_COMPONENT_BYTES} bytes"),
-                param: None,
-            }
+            return ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("a component may be at most {MAX_COMPONENT_BYTES} bytes"),
+            )
             .into_response();
         }
     };
@@ -171,12 +166,7 @@ async fn put_plugin(
         .into_response(),
         Ok(Err(e)) => {
             tracing::warn!(slot = slot.as_str(), error = %e, "plugin refused");
-            ApiError {
-                status: StatusCode::UNPROCESSABLE_ENTITY,
-                message: e.to_string(),
-                param: None,
-            }
-            .into_response()
+            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, e.to_string()).into_response()
         }
         Err(e) => ApiError::unavailable(format!("the load task failed: {e}")).into_response(),
     }
@@ -195,11 +185,6 @@ async fn rollback(State(gateway): State<Arc<Gateway>>, Path(slot): Path<String>)
     };
     match result {
         Ok(identity) => Json(json!({"slot": slot.as_str(), "active": identity})).into_response(),
-        Err(e) => ApiError {
-            status: StatusCode::CONFLICT,
-            message: e.to_string(),
-            param: None,
-        }
-        .into_response(),
+        Err(e) => ApiError::new(StatusCode::CONFLICT, e.to_string()).into_response(),
     }
 }

@@ -160,11 +160,10 @@ async fn relay_inner(
     let mut usage = Usage::default();
     let outcome = loop {
         if excluded.len() as u32 >= gateway.config.fleet.max_attempts {
-            out.fail(ApiError {
-                status: axum::http::StatusCode::BAD_GATEWAY,
-                message: format!("{} workers failed this request", excluded.len()),
-                param: None,
-            });
+            out.fail(ApiError::new(
+                axum::http::StatusCode::BAD_GATEWAY,
+                format!("{} workers failed this request", excluded.len()),
+            ));
             break RequestOutcome::failed;
         }
         let candidates = gateway.fleet.candidates(&job.hashes, &excluded);
@@ -229,11 +228,10 @@ async fn relay_inner(
 }
 
 fn timeout_error() -> ApiError {
-    ApiError {
-        status: axum::http::StatusCode::GATEWAY_TIMEOUT,
-        message: "the request timed out".into(),
-        param: None,
-    }
+    ApiError::new(
+        axum::http::StatusCode::GATEWAY_TIMEOUT,
+        "the request timed out",
+    )
 }
 
 /// Counts a request (and its prompt's KV blocks) running on a worker for as
@@ -519,11 +517,10 @@ fn lost(out: &mut Output, worker: &Worker, why: String) -> Attempt {
         return Attempt::Retry(why);
     }
     tracing::warn!(worker = worker.id, error = %why, "worker failed mid-stream");
-    out.fail(ApiError {
-        status: axum::http::StatusCode::BAD_GATEWAY,
-        message: format!("worker {} failed mid-stream: {why}", worker.id),
-        param: None,
-    });
+    out.fail(ApiError::new(
+        axum::http::StatusCode::BAD_GATEWAY,
+        format!("worker {} failed mid-stream: {why}", worker.id),
+    ));
     Attempt::Broken(RequestOutcome::failed)
 }
 
