@@ -137,10 +137,7 @@ impl VersionStatus {
             version: generation.identity.version,
             active,
             calls: stats.calls.load(Ordering::Relaxed),
-            errors: super::stats::ErrorClass::ALL
-                .iter()
-                .map(|&c| (c.as_str(), stats.fallbacks(c)))
-                .collect(),
+            errors: stats.fallbacks_by_class(),
             call_p50_ns: stats.call_ns.quantile(0.5),
             call_p99_ns: stats.call_ns.quantile(0.99),
         }
@@ -383,10 +380,7 @@ impl<K: PluginKind> Slot<K> {
             previous: previous.as_ref().map(|g| (*g.identity).clone()),
             calls: stats.calls.load(Ordering::Relaxed),
             deferred: stats.deferred.load(Ordering::Relaxed),
-            errors: super::stats::ErrorClass::ALL
-                .iter()
-                .map(|&c| (c.as_str(), stats.fallbacks(c)))
-                .collect(),
+            errors: stats.fallbacks_by_class(),
             call_p50_ns: stats.call_ns.quantile(0.5),
             call_p99_ns: stats.call_ns.quantile(0.99),
             logs_dropped: stats.logs_dropped.load(Ordering::Relaxed),

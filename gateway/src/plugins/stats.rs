@@ -161,6 +161,14 @@ impl SlotStats {
         self.fallbacks[class as usize].load(Relaxed)
     }
 
+    /// Fallbacks of every class, by name, in [`ErrorClass::ALL`] order.
+    pub fn fallbacks_by_class(&self) -> Vec<(&'static str, u64)> {
+        ErrorClass::ALL
+            .iter()
+            .map(|&c| (c.as_str(), self.fallbacks(c)))
+            .collect()
+    }
+
     pub fn total_fallbacks(&self) -> u64 {
         ErrorClass::ALL.iter().map(|&c| self.fallbacks(c)).sum()
     }
