@@ -128,6 +128,18 @@ async fn chat_and_completions_streaming_and_not() {
             .all(|t| t["top_logprobs"].as_array().unwrap().len() == 2)
     );
 
+    // A large prompt (parsed off the server thread) over the context: 400.
+    let long = "All work and no play makes Jack a dull boy. ".repeat(2500);
+    let (status, _, body) = cluster.post(CHAT, &chat(&[("user", &long)], 8)).await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["param"], "messages");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("context")
+    );
+
     let models: Value = cluster
         .client
         .get(format!("{}/v1/models", cluster.url))

@@ -132,18 +132,41 @@ fn now_secs() -> u64 {
 }
 
 /// Reads a JSON body (at most `limit` bytes) into `T`, with OpenAI-shaped
-/// errors: 413 for an oversize body, 400 for bad JSON.
+/// errors: 413 for an oversize body, 400 for bad JSON or a body that could
+/// not be read.
 pub async fn parse<T: serde::de::DeserializeOwned>(
     body: axum::body::Body,
     limit: usize,
 ) -> Result<T, ApiError> {
-    let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
-        ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!("the request body is over {limit} bytes"),
-        )
-    })?;
-    serde_json::from_slice(&bytes)
+    let bytes = read_body(body, limit).await?;
+    from_json(&bytes)
+}
+
+/// Reads a body of at most `limit` bytes: 413 when it is longer, 400 when it
+/// could not be read.
+pub async fn read_body(
+    body: axum::body::Body,
+    limit: usize,
+) -> Result<axum::body::Bytes, ApiError> {
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        let too_long = std::iter::successors(Some(&e as &(dyn std::error::Error + 'static)), |e| {
+            e.source()
+        })
+        .any(|e| e.is::<http_body_util::LengthLimitError>());
+        if too_long {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the request body is over {limit} bytes"),
+            )
+        } else {
+            ApiError::invalid(format!("cannot read the request body: {e}"), None)
+        }
+    })
+}
+
+/// Parses a JSON body into `T` (400 when it is not one).
+pub fn from_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(bytes)
         .map_err(|e| ApiError::invalid(format!("invalid request body: {e}"), None))
 }
 

@@ -13,7 +13,9 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 use sluice_backend::server::ApiError;
-use sluice_backend::server::openai::{ChatRequest, CompletionRequest, Kind, Prepared, parse};
+use sluice_backend::server::openai::{
+    ChatRequest, CompletionRequest, Kind, Prepared, from_json, read_body,
+};
 
 use super::auth;
 use crate::admission::{QueueError, Ticket};
@@ -88,6 +90,22 @@ async fn handle(
 
 type Failure = (RequestOutcome, ApiError);
 
+/// Bodies up to this size are parsed and tokenized on the server thread;
+/// larger ones on the blocking pool.
+const INLINE_BODY_BYTES: usize = 64 << 10;
+
+/// Parses and validates a body (template, tokenizer, limits).
+fn prepare(
+    frontend: &sluice_backend::server::Frontend,
+    kind: Kind,
+    bytes: &[u8],
+) -> Result<Prepared, ApiError> {
+    match kind {
+        Kind::Chat => frontend.chat(&from_json::<ChatRequest>(bytes)?),
+        Kind::Completion => frontend.completion(&from_json::<CompletionRequest>(bytes)?),
+    }
+}
+
 fn invalid(e: ApiError) -> Failure {
     (RequestOutcome::invalid, e)
 }
@@ -102,16 +120,18 @@ async fn answer(
 ) -> Result<Response, Failure> {
     let caller = auth::caller(gateway, headers).map_err(invalid)?;
     let limit = gateway.config.limits.max_body_bytes;
-    let prepared: Prepared = match kind {
-        Kind::Chat => {
-            let request: ChatRequest = parse(body, limit).await.map_err(invalid)?;
-            gateway.frontend.chat(&request).map_err(invalid)?
-        }
-        Kind::Completion => {
-            let request: CompletionRequest = parse(body, limit).await.map_err(invalid)?;
-            gateway.frontend.completion(&request).map_err(invalid)?
-        }
-    };
+    let bytes = read_body(body, limit).await.map_err(invalid)?;
+    let prepared = if bytes.len() <= INLINE_BODY_BYTES {
+        prepare(&gateway.frontend, kind, &bytes)
+    } else {
+        // A large prompt would hold up every connection of this server
+        // thread while it is parsed and tokenized.
+        let frontend = gateway.frontend.clone();
+        tokio::task::spawn_blocking(move || prepare(&frontend, kind, &bytes))
+            .await
+            .map_err(|e| (RequestOutcome::failed, ApiError::unavailable(e.to_string())))?
+    }
+    .map_err(invalid)?;
     let pre = preprocess(
         prepared,
         &caller,
