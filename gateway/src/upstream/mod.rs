@@ -191,7 +191,18 @@ async fn relay_inner(
                 break RequestOutcome::rejected;
             }
         };
-        let worker = candidates.workers[index].clone();
+        // The host checks a plugin's answer; the built-in router answers in
+        // range. Guarded all the same: a bad index must not panic a thread.
+        let Some(worker) = candidates.workers.get(index).cloned() else {
+            out.fail(ApiError::new(
+                axum::http::StatusCode::BAD_GATEWAY,
+                format!(
+                    "the router chose worker index {index} of {}",
+                    candidates.workers.len()
+                ),
+            ));
+            break RequestOutcome::failed;
+        };
         worker.routed.fetch_add(1, Ordering::Relaxed);
         gateway.metrics.routed(worker.id);
         let attempt = {
