@@ -24,6 +24,15 @@ impl ApiError {
         }
     }
 
+    /// An error with status `code` (from a plugin or a worker), or
+    /// `otherwise` when there is none or it is not a valid status.
+    pub fn with_code(code: Option<u16>, otherwise: StatusCode, message: impl Into<String>) -> Self {
+        let status = code
+            .and_then(|c| StatusCode::from_u16(c).ok())
+            .unwrap_or(otherwise);
+        Self::new(status, message)
+    }
+
     pub fn invalid(message: impl Into<String>, param: Option<&'static str>) -> Self {
         Self {
             status: StatusCode::BAD_REQUEST,

@@ -684,21 +684,10 @@ impl ChunkWriter {
                 out
             }
             GenerateEvent::Error { message, status } => vec![
-                event_error(message, status).body().to_string(),
+                ApiError::with_code(status, StatusCode::BAD_REQUEST, message).body().to_string(),
                 "[DONE]".into(),
             ],
         }
-    }
-}
-
-/// The API error of a generation's `Error` event.
-fn event_error(message: String, status: Option<u16>) -> ApiError {
-    ApiError {
-        status: status
-            .and_then(|s| StatusCode::from_u16(s).ok())
-            .unwrap_or(StatusCode::BAD_REQUEST),
-        message,
-        param: None,
     }
 }
 
@@ -769,7 +758,13 @@ async fn collect(mut rx: UnboundedReceiver<GenerateEvent>) -> Result<Collected, 
                     usage,
                 });
             }
-            GenerateEvent::Error { message, status } => return Err(event_error(message, status)),
+            GenerateEvent::Error { message, status } => {
+                return Err(ApiError::with_code(
+                    status,
+                    StatusCode::BAD_REQUEST,
+                    message,
+                ));
+            }
         }
     }
     Err(ApiError::unavailable(

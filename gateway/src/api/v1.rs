@@ -236,12 +236,7 @@ async fn admit(
                 gateway.policies.admission.on_complete(&done);
                 return Err((
                     RequestOutcome::rejected,
-                    ApiError {
-                        status: StatusCode::from_u16(r.status)
-                            .unwrap_or(StatusCode::TOO_MANY_REQUESTS),
-                        message: r.message,
-                        param: None,
-                    },
+                    ApiError::with_code(Some(r.status), StatusCode::TOO_MANY_REQUESTS, r.message),
                 ));
             }
             AdmitDecision::Queue(priority) => priority,

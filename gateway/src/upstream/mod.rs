@@ -182,12 +182,11 @@ async fn relay_inner(
         let index = match decision {
             RouteDecision::Worker(i) => i,
             RouteDecision::Reject(r) => {
-                out.fail(ApiError {
-                    status: axum::http::StatusCode::from_u16(r.status)
-                        .unwrap_or(axum::http::StatusCode::SERVICE_UNAVAILABLE),
-                    message: r.message,
-                    param: None,
-                });
+                out.fail(ApiError::with_code(
+                    Some(r.status),
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    r.message,
+                ));
                 break RequestOutcome::rejected;
             }
         };
@@ -391,12 +390,11 @@ async fn attempt(
             .and_then(Result::ok)
             .and_then(|v| v["error"]["message"].as_str().map(String::from))
             .unwrap_or_else(|| format!("the worker answered {status}"));
-        return Attempt::Refused(ApiError {
-            status: axum::http::StatusCode::from_u16(status.as_u16())
-                .unwrap_or(axum::http::StatusCode::BAD_GATEWAY),
+        return Attempt::Refused(ApiError::with_code(
+            Some(status.as_u16()),
+            axum::http::StatusCode::BAD_GATEWAY,
             message,
-            param: None,
-        });
+        ));
     }
     let idle = gateway.config.limits.idle_stream_timeout();
     let block_size = job.view.block_size.max(1);
@@ -486,22 +484,18 @@ async fn attempt(
                     return Attempt::Retry(format!("it failed the request: {message}"));
                 }
                 GenerateEvent::Error { message, status } if !out.started() => {
-                    return Attempt::Refused(ApiError {
-                        status: status
-                            .and_then(|s| axum::http::StatusCode::from_u16(s).ok())
-                            .unwrap_or(axum::http::StatusCode::BAD_REQUEST),
+                    return Attempt::Refused(ApiError::with_code(
+                        status,
+                        axum::http::StatusCode::BAD_REQUEST,
                         message,
-                        param: None,
-                    });
+                    ));
                 }
                 GenerateEvent::Error { message, status } => {
-                    out.fail(ApiError {
-                        status: status
-                            .and_then(|s| axum::http::StatusCode::from_u16(s).ok())
-                            .unwrap_or(axum::http::StatusCode::BAD_GATEWAY),
+                    out.fail(ApiError::with_code(
+                        status,
+                        axum::http::StatusCode::BAD_GATEWAY,
                         message,
-                        param: None,
-                    });
+                    ));
                     return Attempt::Broken(RequestOutcome::failed);
                 }
                 started @ GenerateEvent::Started { .. } => {
