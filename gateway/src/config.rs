@@ -35,6 +35,9 @@ pub struct Config {
     pub model: Option<PathBuf>,
     /// The name clients use in `model`; default: the model's own name.
     pub served_model_name: Option<String>,
+    /// The context the workers serve, in tokens; default: the model file's.
+    /// Set it when they serve a longer one (simulated workers, say).
+    pub context: Option<u32>,
     /// Workers' base URLs (`http://host:port`); more can register themselves.
     pub workers: Vec<String>,
     /// In-process workers serving `model` (the single-machine default).
@@ -112,6 +115,7 @@ impl Default for Config {
             threads: 0,
             model: None,
             served_model_name: None,
+            context: None,
             workers: Vec::new(),
             embedded_workers: 0,
             block_size: 16,

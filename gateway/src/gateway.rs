@@ -262,10 +262,11 @@ fn frontend(
     Arc::new(Frontend {
         model_name: name.to_string(),
         tokenizer,
-        context: model.context,
+        context: config.context.map_or(model.context, |c| c as usize),
         vocab: model.vocab as u32,
         created,
         max_tokens_limit: config.limits.max_tokens,
+        simulated: None,
     })
 }
 

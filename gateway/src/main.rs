@@ -1,5 +1,6 @@
 //! The `sluice` command: `sluice serve` runs the gateway (by default with an
 //! in-process worker); `sluice worker` serves a model with sluice's own engine;
+//! `sluice sim` serves simulated workers (and calibrates their profile);
 //! `sluice plugins check` loads a plugin component the way the gateway does and
 //! reports the verdict; `sluice bench` measures the parts.
 
@@ -85,6 +86,12 @@ enum Command {
         #[arg(long)]
         advertise: Option<String>,
     },
+    /// The simulated engine (no model runs: step times come from a timing
+    /// profile), for fleet-scale routing experiments.
+    Sim {
+        #[command(subcommand)]
+        which: Sim,
+    },
     /// Work with policy plugin components.
     Plugins {
         #[command(subcommand)]
@@ -94,6 +101,44 @@ enum Command {
     Bench {
         #[command(subcommand)]
         which: Bench,
+    },
+}
+
+#[derive(Subcommand)]
+enum Sim {
+    /// Serve N simulated workers from this process, each on its own port.
+    Serve {
+        /// Simulated workers.
+        #[arg(long, default_value_t = 16)]
+        workers: usize,
+        /// The timing profile (h200-llama-8b, cpu-smollm2).
+        #[arg(long, default_value = "h200-llama-8b")]
+        profile: String,
+        /// Real seconds per modelled second (10 = ten times slower).
+        #[arg(long, default_value_t = 1.0)]
+        time_scale: f64,
+        #[arg(long, default_value = "127.0.0.1")]
+        host: std::net::IpAddr,
+        /// The first worker's port; the others follow it.
+        #[arg(long, default_value_t = 9100)]
+        base_port: u16,
+        /// The model whose tokenizer and chat template the workers use
+        /// [default: as `sluice worker`]
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// The model name clients send [default: the file name]
+        #[arg(long)]
+        served_model_name: Option<String>,
+    },
+    /// Time the real CPU forward pass on a set of batch shapes and fit the
+    /// `cpu-smollm2` profile's constants to them.
+    Calibrate {
+        /// A GGUF model file [default: as `sluice worker`]
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Timed runs per shape (the median is used).
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
     },
 }
 
@@ -273,6 +318,7 @@ fn run() -> anyhow::Result<()> {
                 anyhow::Ok(())
             })?;
         }
+        Command::Sim { which } => run_sim(which)?,
         Command::Plugins {
             which: Plugins::Check { file, kind, config },
         } => match kind {
@@ -342,6 +388,65 @@ fn run() -> anyhow::Result<()> {
             let summary = run_plugin_bench(&options, |line| println!("{line}"))
                 .context("sluice bench plugins")?;
             println!("{summary}");
+        }
+    }
+    Ok(())
+}
+
+/// `sluice sim serve` and `sluice sim calibrate`.
+fn run_sim(which: Sim) -> anyhow::Result<()> {
+    use sluice_backend::sim::{Profile, SimFleet, SimOptions, calibrate};
+    match which {
+        Sim::Serve {
+            workers,
+            profile,
+            time_scale,
+            host,
+            base_port,
+            model,
+            served_model_name,
+        } => {
+            let profile = Profile::by_name(&profile).with_context(|| {
+                format!("no profile {profile}; known: {}", Profile::names().join(", "))
+            })?;
+            let path = model_path(model);
+            let info = sluice_backend::model::describe(&path)
+                .with_context(|| format!("loading the tokenizer of {}", path.display()))?;
+            let options = SimOptions {
+                time_scale,
+                host,
+                base_port,
+                model_name: served_model_name.unwrap_or(info.name),
+                ..SimOptions::new(profile, workers)
+            };
+            tokio::runtime::Runtime::new()?.block_on(async {
+                let fleet = SimFleet::start(Arc::new(info.tokenizer), &options).await?;
+                for url in &fleet.urls {
+                    println!("{url}");
+                }
+                tokio::signal::ctrl_c().await?;
+                anyhow::Ok(())
+            })?;
+        }
+        Sim::Calibrate { model, rounds } => {
+            let path = model_path(model);
+            let loaded = sluice_backend::model::load(&path)
+                .with_context(|| format!("loading {}", path.display()))?;
+            let result = calibrate::calibrate(Arc::new(loaded.llama), 16, rounds);
+            for point in &result.points {
+                println!("{}", serde_json::to_string(point)?);
+            }
+            println!("{}", serde_json::to_string(&result.profile)?);
+            println!(
+                "{}",
+                serde_json::json!({
+                    "overhead_s": result.profile.overhead_s,
+                    "token_s": result.profile.token_s,
+                    "pair_s": result.profile.pair_s,
+                    "kv_token_s": result.profile.kv_token_s,
+                    "rms_relative_error": result.rms_relative_error,
+                })
+            );
         }
     }
     Ok(())

@@ -13,7 +13,8 @@ use std::time::Instant;
 use tokio::sync::{broadcast, mpsc as tmpsc};
 
 use super::detok::Detokenizer;
-use super::sampling::Sampler;
+use super::executor::{Executor, ModelExecutor, Next};
+use super::sampling::{Sampled, Sampler};
 use super::types::{FinishReason, GenerateEvent, GenerateRequest, Load, TokenOut, Usage};
 use crate::kv::{BlockPool, KvEvent, KvStorage, PoolUsage, hash};
 use crate::model::{Llama, Logits, SeqChunk, Tokenizer};
@@ -69,13 +70,31 @@ pub struct Engine {
     cached_hashes: Arc<Mutex<(u64, Vec<u64>)>>,
     next_id: AtomicU64,
     pub config: EngineConfig,
-    pub model: Arc<Llama>,
+    /// The longest sequence (prompt plus output) the executor runs.
+    pub context: usize,
+    pub vocab: usize,
     pub tokenizer: Arc<Tokenizer>,
 }
 
 impl Engine {
-    /// Starts the engine thread.
+    /// Starts the engine thread over the model's forward pass.
     pub fn start(model: Arc<Llama>, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Engine {
+        let c = &model.config;
+        let storage = KvStorage::new(
+            c.n_layers,
+            config.kv_blocks as usize,
+            config.block_size,
+            c.kv_dim(),
+        );
+        Self::start_with(Box::new(ModelExecutor { model, storage }), tokenizer, config)
+    }
+
+    /// Starts the engine thread over any executor (the simulator's, say).
+    pub fn start_with(
+        executor: Box<dyn Executor>,
+        tokenizer: Arc<Tokenizer>,
+        config: EngineConfig,
+    ) -> Engine {
         let (tx, rx) = mpsc::channel();
         let load = Arc::new(Mutex::new(Load {
             kv_blocks_total: config.kv_blocks,
@@ -83,15 +102,10 @@ impl Engine {
         }));
         let (kv_events, _) = broadcast::channel(4096);
         let cached_hashes = Arc::new(Mutex::new((0, Vec::new())));
-        let c = &model.config;
+        let (context, vocab) = (executor.context(), executor.vocab());
         let core = Core {
             pool: BlockPool::new(config.kv_blocks),
-            storage: KvStorage::new(
-                c.n_layers,
-                config.kv_blocks as usize,
-                config.block_size,
-                c.kv_dim(),
-            ),
+            executor,
             waiting: VecDeque::new(),
             running: Vec::new(),
             commands: rx,
@@ -99,7 +113,8 @@ impl Engine {
             kv_events: kv_events.clone(),
             cached_hashes: cached_hashes.clone(),
             event_seq: 0,
-            model: model.clone(),
+            context,
+            vocab,
             tokenizer: tokenizer.clone(),
             config: config.clone(),
             started: Instant::now(),
@@ -115,7 +130,8 @@ impl Engine {
             cached_hashes,
             next_id: AtomicU64::new(1),
             config,
-            model,
+            context,
+            vocab,
             tokenizer,
         }
     }
@@ -216,7 +232,7 @@ impl Seq {
 
 struct Core {
     pool: BlockPool,
-    storage: KvStorage,
+    executor: Box<dyn Executor>,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
     commands: mpsc::Receiver<Command>,
@@ -224,7 +240,8 @@ struct Core {
     kv_events: broadcast::Sender<NumberedKvEvent>,
     cached_hashes: Arc<Mutex<(u64, Vec<u64>)>>,
     event_seq: u64,
-    model: Arc<Llama>,
+    context: usize,
+    vocab: usize,
     tokenizer: Arc<Tokenizer>,
     config: EngineConfig,
     started: Instant,
@@ -260,25 +277,24 @@ impl Core {
     fn command(&mut self, command: Command) {
         match command {
             Command::Submit { id, request, out } => {
-                let c = &self.model.config;
                 let blocks_needed = (request.prompt.len() + 1).div_ceil(self.config.block_size);
                 let problem = if request.prompt.is_empty() {
                     Some("the prompt is empty".to_string())
-                } else if request.prompt.len() >= c.context {
+                } else if request.prompt.len() >= self.context {
                     Some(format!(
                         "the prompt has {} tokens; this model's context is {}",
                         request.prompt.len(),
-                        c.context
+                        self.context
                     ))
                 } else if blocks_needed > self.config.kv_blocks as usize {
                     Some(format!(
                         "the prompt needs {blocks_needed} KV blocks; this worker has {}",
                         self.config.kv_blocks
                     ))
-                } else if let Some(&bad) = request.prompt.iter().find(|&&t| t as usize >= c.vocab) {
+                } else if let Some(&bad) = request.prompt.iter().find(|&&t| t as usize >= self.vocab) {
                     Some(format!(
                         "token id {bad} is outside the vocabulary ({})",
-                        c.vocab
+                        self.vocab
                     ))
                 } else {
                     request.sampling.validate().err()
@@ -463,14 +479,12 @@ impl Core {
                 }
             })
             .collect();
-        // Run the forward pass on a pool thread: its many short parallel loops
-        // then start without waking this thread in between.
-        let (model, storage) = (&self.model, &mut self.storage);
-        let mut logits = rayon::scope(|_| model.forward(storage, &chunks));
+        let outputs = self.executor.run(&chunks);
+        drop(chunks);
 
         let mut done: Vec<(usize, FinishReason)> = Vec::new();
-        for (&(i, take), logits) in plan.iter().zip(logits.iter_mut()) {
-            let context = self.model.config.context;
+        for (&(i, take), next) in plan.iter().zip(outputs) {
+            let context = self.context;
             let seq = &mut self.running[i];
             seq.computed += take;
             // Full blocks become reusable by later requests.
@@ -491,10 +505,15 @@ impl Core {
                 );
                 seq.committed += 1;
             }
-            if logits.is_empty() {
-                continue; // a prefill chunk that is not the prompt's last
-            }
-            let sampled = seq.sampler.sample(logits);
+            let sampled = match next {
+                Next::Pending => continue, // a prefill chunk that is not the prompt's last
+                Next::Logits(mut logits) => seq.sampler.sample(&mut logits),
+                Next::Token(token) => Sampled {
+                    token,
+                    logprob: 0.0,
+                    top: Vec::new(),
+                },
+            };
             let (text, stopped) = seq.detok.push(&self.tokenizer, sampled.token);
             let is_stop_id = seq.request.stop_ids.contains(&sampled.token);
             if !is_stop_id {

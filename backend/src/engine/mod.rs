@@ -1,12 +1,15 @@
 //! The engine: continuous batching with chunked prefill and preemption
-//! (`core`), token sampling (`sampling`), incremental detokenization with stop
-//! strings (`detok`), and the request/event types (`types`).
+//! (`core`) over an `executor` (the model's forward pass, or a timing model),
+//! token sampling (`sampling`), incremental detokenization with stop strings
+//! (`detok`), and the request/event types (`types`).
 
 mod core;
 mod detok;
+mod executor;
 pub mod sampling;
 mod types;
 
 pub use core::{Engine, EngineConfig, NumberedKvEvent};
+pub use executor::{Executor, ModelExecutor, Next};
 pub use sampling::{Sampled, Sampler, SamplingParams};
 pub use types::{FinishReason, GenerateEvent, GenerateRequest, Load, TokenOut, Usage};

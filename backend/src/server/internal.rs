@@ -90,7 +90,12 @@ pub async fn kv_snapshot(State(state): State<Arc<WorkerState>>) -> Json<serde_js
 }
 
 pub async fn health(State(state): State<Arc<WorkerState>>) -> Json<serde_json::Value> {
-    Json(json!({"status": "ok", "model": state.model_name, "load": state.engine.load()}))
+    Json(json!({
+        "status": "ok",
+        "model": state.model_name,
+        "load": state.engine.load(),
+        "simulated": state.frontend.simulated,
+    }))
 }
 
 /// `GET /metrics`: Prometheus text format.

@@ -1,10 +1,12 @@
 //! The worker's HTTP API (axum on hyper): the OpenAI endpoints (`openai`), the
 //! internal token-level endpoint the gateway uses, the event stream (KV events
-//! and load), `/health` and `/metrics`.
+//! and load), `/health` and `/metrics`, and the endpoints peer routers ask
+//! of a worker (`peers`).
 
 mod error;
 mod internal;
 pub mod openai;
+mod peers;
 mod v1;
 
 use std::net::SocketAddr;
@@ -66,10 +68,11 @@ impl WorkerState {
         let frontend = Arc::new(Frontend {
             model_name: model_name.clone(),
             tokenizer: engine.tokenizer.clone(),
-            context: engine.model.config.context,
-            vocab: engine.model.config.vocab as u32,
+            context: engine.context,
+            vocab: engine.vocab as u32,
             created: started_unix,
             max_tokens_limit: None,
+            simulated: None,
         });
         Self {
             engine,
@@ -79,6 +82,14 @@ impl WorkerState {
             started_unix,
             metrics: Metrics::default(),
         }
+    }
+
+    /// Marks a worker as simulated (the `sim` module's): `/v1/models`,
+    /// `/health` and the server info name the timing profile.
+    pub fn simulated(mut self, profile: &str) -> Self {
+        let frontend = Arc::get_mut(&mut self.frontend).expect("the frontend is not shared yet");
+        frontend.simulated = Some(profile.to_string());
+        self
     }
 }
 
@@ -93,6 +104,11 @@ pub fn router(state: Arc<WorkerState>) -> Router {
         .route("/events", get(internal::events))
         .route("/health", get(internal::health))
         .route("/metrics", get(internal::metrics))
+        .route("/health_generate", get(peers::health_generate))
+        .route("/get_model_info", get(peers::model_info))
+        .route("/get_server_info", get(peers::server_info))
+        .route("/tokenize", post(peers::tokenize))
+        .route("/v1/chat/completions/render", post(peers::render_chat))
         .fallback(|| async { ApiError::not_found_path() })
         // Handlers read bodies themselves, up to MAX_BODY_BYTES, to answer an
         // oversize one with an OpenAI-shaped 413.

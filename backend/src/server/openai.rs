@@ -219,6 +219,8 @@ pub struct Frontend {
     pub created: u64,
     /// The most tokens one request may ask for; `None` = up to the context.
     pub max_tokens_limit: Option<u32>,
+    /// The simulator's profile, when no model runs behind this layer.
+    pub simulated: Option<String>,
 }
 
 impl Frontend {
@@ -450,16 +452,18 @@ impl Frontend {
 
     /// `GET /v1/models`.
     pub fn models(&self) -> Value {
-        json!({
-            "object": "list",
-            "data": [{
-                "id": self.model_name,
-                "object": "model",
-                "created": self.created,
-                "owned_by": "sluice",
-                "max_model_len": self.context,
-            }],
-        })
+        let mut model = json!({
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "sluice",
+            "max_model_len": self.context,
+        });
+        if let Some(profile) = &self.simulated {
+            model["owned_by"] = json!("sluice-sim");
+            model["simulated"] = json!(profile);
+        }
+        json!({"object": "list", "data": [model]})
     }
 
     /// Answers a request from its generation events: an SSE stream, or (not
