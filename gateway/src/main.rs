@@ -12,8 +12,8 @@ use clap::{Parser, Subcommand, ValueEnum};
 use sluice_backend::engine::EngineConfig;
 use sluice_backend::server::{WorkerConfig, run_worker};
 use sluice_gateway::bench::{
-    EngineBenchOptions, GatewayBenchOptions, PluginBenchOptions, run_engine_bench,
-    run_gateway_bench, run_plugin_bench,
+    EngineBenchOptions, GatewayBenchOptions, PluginBenchOptions, RoutingBenchOptions, TraceChoice,
+    run_engine_bench, run_gateway_bench, run_plugin_bench, run_routing_bench,
 };
 
 use sluice_backend::model::FETCHED_MODEL as DEFAULT_MODEL;
@@ -198,6 +198,48 @@ enum Bench {
         #[arg(long)]
         no_peer: bool,
     },
+    /// Routing quality at fleet scale: multi-turn traces replayed through
+    /// each policy (ours, and SGLang's and vLLM's routers when installed) in
+    /// front of simulated workers, at shares of the fleet's capacity.
+    Routing {
+        /// The small preset: agentic trace, 16 workers, 80% load, round-robin
+        /// vs kv-aware vs session-affinity (other flags still apply).
+        #[arg(long)]
+        quick: bool,
+        /// Traces: agentic, sharegpt, mt-bench (from `make data`), or a
+        /// JSON-lines trace file (repeatable) [default: agentic]
+        #[arg(long = "trace")]
+        traces: Vec<String>,
+        /// Offered loads as fractions of capacity, comma-separated [default: 0.5,0.8,0.95]
+        #[arg(long, value_delimiter = ',')]
+        loads: Vec<f64>,
+        /// Policies, comma-separated: round-robin, least-load, kv-aware,
+        /// session-affinity, sglang:<policy>, vllm:<policy>
+        /// [default: our four, sglang:cache_aware, sglang:round_robin, vllm:cache_aware, vllm:round_robin]
+        #[arg(long, value_delimiter = ',')]
+        policies: Vec<String>,
+        /// Simulated workers [default: 16]
+        #[arg(long)]
+        workers: Option<usize>,
+        /// Timing profile (h200-llama-8b, cpu-smollm2) [default: h200-llama-8b]
+        #[arg(long)]
+        profile: Option<String>,
+        /// Real seconds per modelled second [default: 8]
+        #[arg(long)]
+        time_scale: Option<f64>,
+        /// Real seconds over which sessions arrive in each run [default: 30]
+        #[arg(long)]
+        window: Option<f64>,
+        /// The model whose tokenizer everything uses [default: as `sluice worker`]
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Folder with the built plugin components (`make plugins`).
+        #[arg(long, default_value = "plugins/target/wasm32-wasip2/release")]
+        plugins_dir: PathBuf,
+        /// Where routing.md, routing.json and the SVG plots go.
+        #[arg(long, default_value = "target/bench-routing")]
+        out: PathBuf,
+    },
     /// Cost of a KV-aware routing decision through Wasm vs native, and of swaps.
     Plugins {
         /// Folder with the built plugin components (`make plugins`).
@@ -367,6 +409,75 @@ fn run() -> anyhow::Result<()> {
         }
         Command::Bench {
             which:
+                Bench::Routing {
+                    quick,
+                    traces,
+                    loads,
+                    policies,
+                    workers,
+                    profile,
+                    time_scale,
+                    window,
+                    model,
+                    plugins_dir,
+                    out,
+                },
+        } => {
+            let mut options = RoutingBenchOptions::quick(model_path(model));
+            if !quick {
+                options.loads = vec![0.5, 0.8, 0.95];
+                options.policies = [
+                    "round-robin",
+                    "least-load",
+                    "kv-aware",
+                    "session-affinity",
+                    "sglang:cache_aware",
+                    "sglang:round_robin",
+                    "vllm:cache_aware",
+                    "vllm:round_robin",
+                ]
+                .map(String::from)
+                .to_vec();
+            }
+            options.plugins_dir = plugins_dir;
+            options.out_dir = out;
+            if !traces.is_empty() {
+                let agentic = options.traces[0].clone();
+                options.traces = traces
+                    .iter()
+                    .map(|t| match t.as_str() {
+                        "agentic" => agentic.clone(),
+                        "sharegpt" => TraceChoice::ShareGpt(PathBuf::from(SHAREGPT)),
+                        "mt-bench" => TraceChoice::MtBench(PathBuf::from(MT_BENCH)),
+                        file => TraceChoice::File(PathBuf::from(file)),
+                    })
+                    .collect();
+            }
+            if !loads.is_empty() {
+                options.loads = loads;
+            }
+            if !policies.is_empty() {
+                options.policies = policies;
+            }
+            if let Some(n) = workers {
+                options.workers = n;
+            }
+            if let Some(name) = profile {
+                options.profile = sluice_backend::sim::Profile::by_name(&name)
+                    .with_context(|| format!("no profile {name}"))?;
+            }
+            if let Some(s) = time_scale {
+                options.time_scale = s;
+            }
+            if let Some(w) = window {
+                options.window_s = w;
+            }
+            let summary = run_routing_bench(&options, |line| println!("{line}"))
+                .context("sluice bench routing")?;
+            println!("{summary}");
+        }
+        Command::Bench {
+            which:
                 Bench::Plugins {
                     plugins_dir,
                     calls,
@@ -393,6 +504,10 @@ fn run() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Where `make data` puts ShareGPT and MT-Bench (../shared/DATA.md).
+const SHAREGPT: &str = ".cache/data/ShareGPT_V3_unfiltered_cleaned_split.json";
+const MT_BENCH: &str = ".cache/data/mt_bench_question.jsonl";
+
 /// `sluice sim serve` and `sluice sim calibrate`.
 fn run_sim(which: Sim) -> anyhow::Result<()> {
     use sluice_backend::sim::{Profile, SimFleet, SimOptions, calibrate};
@@ -407,7 +522,10 @@ fn run_sim(which: Sim) -> anyhow::Result<()> {
             served_model_name,
         } => {
             let profile = Profile::by_name(&profile).with_context(|| {
-                format!("no profile {profile}; known: {}", Profile::names().join(", "))
+                format!(
+                    "no profile {profile}; known: {}",
+                    Profile::names().join(", ")
+                )
             })?;
             let path = model_path(model);
             let info = sluice_backend::model::describe(&path)

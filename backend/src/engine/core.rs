@@ -86,7 +86,11 @@ impl Engine {
             config.block_size,
             c.kv_dim(),
         );
-        Self::start_with(Box::new(ModelExecutor { model, storage }), tokenizer, config)
+        Self::start_with(
+            Box::new(ModelExecutor { model, storage }),
+            tokenizer,
+            config,
+        )
     }
 
     /// Starts the engine thread over any executor (the simulator's, say).
@@ -291,7 +295,9 @@ impl Core {
                         "the prompt needs {blocks_needed} KV blocks; this worker has {}",
                         self.config.kv_blocks
                     ))
-                } else if let Some(&bad) = request.prompt.iter().find(|&&t| t as usize >= self.vocab) {
+                } else if let Some(&bad) =
+                    request.prompt.iter().find(|&&t| t as usize >= self.vocab)
+                {
                     Some(format!(
                         "token id {bad} is outside the vocabulary ({})",
                         self.vocab

@@ -52,7 +52,13 @@ impl Executor for ModelExecutor {
         let logits = rayon::scope(|_| model.forward(storage, chunks));
         logits
             .into_iter()
-            .map(|l| if l.is_empty() { Next::Pending } else { Next::Logits(l) })
+            .map(|l| {
+                if l.is_empty() {
+                    Next::Pending
+                } else {
+                    Next::Logits(l)
+                }
+            })
             .collect()
     }
 }

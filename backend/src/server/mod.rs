@@ -122,7 +122,11 @@ pub async fn serve(
     state: Arc<WorkerState>,
 ) -> std::io::Result<()> {
     let addr: SocketAddr = listener.local_addr()?;
-    tracing::info!(%addr, model = %state.model_name, "worker listening");
+    match &state.frontend.simulated {
+        // A simulated fleet logs itself once, not once per worker.
+        Some(profile) => tracing::debug!(%addr, %profile, "simulated worker listening"),
+        None => tracing::info!(%addr, model = %state.model_name, "worker listening"),
+    }
     use axum::serve::ListenerExt;
     let listener = listener.tap_io(|tcp| {
         if let Err(e) = tcp.set_nodelay(true) {

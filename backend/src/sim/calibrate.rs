@@ -38,17 +38,61 @@ struct Shape {
 }
 
 const SHAPES: &[Shape] = &[
-    Shape { seqs: 1, chunk: 1, start: 16 },
-    Shape { seqs: 1, chunk: 1, start: 1024 },
-    Shape { seqs: 4, chunk: 1, start: 256 },
-    Shape { seqs: 8, chunk: 1, start: 64 },
-    Shape { seqs: 8, chunk: 1, start: 1024 },
-    Shape { seqs: 16, chunk: 1, start: 512 },
-    Shape { seqs: 1, chunk: 32, start: 0 },
-    Shape { seqs: 1, chunk: 128, start: 0 },
-    Shape { seqs: 1, chunk: 256, start: 0 },
-    Shape { seqs: 1, chunk: 256, start: 1024 },
-    Shape { seqs: 2, chunk: 128, start: 512 },
+    Shape {
+        seqs: 1,
+        chunk: 1,
+        start: 16,
+    },
+    Shape {
+        seqs: 1,
+        chunk: 1,
+        start: 1024,
+    },
+    Shape {
+        seqs: 4,
+        chunk: 1,
+        start: 256,
+    },
+    Shape {
+        seqs: 8,
+        chunk: 1,
+        start: 64,
+    },
+    Shape {
+        seqs: 8,
+        chunk: 1,
+        start: 1024,
+    },
+    Shape {
+        seqs: 16,
+        chunk: 1,
+        start: 512,
+    },
+    Shape {
+        seqs: 1,
+        chunk: 32,
+        start: 0,
+    },
+    Shape {
+        seqs: 1,
+        chunk: 128,
+        start: 0,
+    },
+    Shape {
+        seqs: 1,
+        chunk: 256,
+        start: 0,
+    },
+    Shape {
+        seqs: 1,
+        chunk: 256,
+        start: 1024,
+    },
+    Shape {
+        seqs: 2,
+        chunk: 128,
+        start: 512,
+    },
 ];
 
 /// Times every shape (the median of `rounds`) and fits a profile named
@@ -128,7 +172,10 @@ fn fit(points: &[Point]) -> [f64; 4] {
         .iter()
         .map(|p| {
             let w = 1.0 / p.measured_s;
-            ([w, p.tokens * w, p.pairs * w, p.kv_reads * w], p.measured_s * w)
+            (
+                [w, p.tokens * w, p.pairs * w, p.kv_reads * w],
+                p.measured_s * w,
+            )
         })
         .collect();
     let mut active = [true; 4];
@@ -174,7 +221,11 @@ fn solve_normal(rows: &[([f64; 4], f64)], active: &[bool; 4]) -> [f64; 4] {
     }
     let mut out = [0.0; 4];
     for (r, &i) in cols.iter().enumerate() {
-        out[i] = if m[r][r].abs() < 1e-300 { 0.0 } else { m[r][n] / m[r][r] };
+        out[i] = if m[r][r].abs() < 1e-300 {
+            0.0
+        } else {
+            m[r][n] / m[r][r]
+        };
     }
     out
 }

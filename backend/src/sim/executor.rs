@@ -24,7 +24,10 @@ pub struct SimExecutor {
 
 impl SimExecutor {
     pub fn new(profile: Profile, time_scale: f64, words: Arc<[u32]>, vocab: usize) -> Self {
-        assert!(!words.is_empty(), "the simulator needs at least one word token");
+        assert!(
+            !words.is_empty(),
+            "the simulator needs at least one word token"
+        );
         Self {
             profile,
             time_scale,

@@ -62,7 +62,10 @@ pub struct SimFleet {
 impl SimFleet {
     /// Binds every worker's port and starts serving (on the current tokio
     /// runtime); each worker has its own engine thread.
-    pub async fn start(tokenizer: Arc<Tokenizer>, options: &SimOptions) -> std::io::Result<SimFleet> {
+    pub async fn start(
+        tokenizer: Arc<Tokenizer>,
+        options: &SimOptions,
+    ) -> std::io::Result<SimFleet> {
         if !(options.time_scale > 0.0 && options.time_scale.is_finite()) {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
@@ -89,7 +92,8 @@ impl SimFleet {
                     std::io::Error::new(std::io::ErrorKind::InvalidInput, "ports run past 65535")
                 })?,
             };
-            let listener = tokio::net::TcpListener::bind(SocketAddr::new(options.host, port)).await?;
+            let listener =
+                tokio::net::TcpListener::bind(SocketAddr::new(options.host, port)).await?;
             let addr = listener.local_addr()?;
             let executor = SimExecutor::new(
                 p.clone(),
@@ -108,8 +112,7 @@ impl SimFleet {
                 },
             );
             let state = Arc::new(
-                WorkerState::new(Arc::new(engine), options.model_name.clone())
-                    .simulated(&p.name),
+                WorkerState::new(Arc::new(engine), options.model_name.clone()).simulated(&p.name),
             );
             fleet.urls.push(format!("http://{addr}"));
             fleet.states.push(state.clone());

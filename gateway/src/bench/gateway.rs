@@ -7,11 +7,13 @@
 //! process's CPU time per request (from /proc schedstat, in ns).
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+
+use super::{ChildGuard, free_port, percentile, wait_ready};
 
 /// What `sluice bench gateway` runs.
 #[derive(Clone, Debug)]
@@ -56,16 +58,6 @@ pub enum GatewayBenchError {
     NotReady(String),
 }
 
-/// A child process killed when dropped.
-struct ChildGuard(Child);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// CPU time of every thread of `pid`, in ns (Linux schedstat).
 fn process_cpu_ns(pid: u32) -> Option<u64> {
     let mut total = 0u64;
@@ -93,27 +85,6 @@ fn process_user_sys_us(pid: u32) -> Option<(f64, f64)> {
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     Some((ticks(11)? * 1e6 / hz, ticks(12)? * 1e6 / hz))
-}
-
-fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
-/// Waits until `url` answers 2xx (at most `limit`).
-async fn wait_ready(client: &reqwest::Client, url: &str, limit: Duration) -> Result<(), String> {
-    let started = Instant::now();
-    let mut last = String::new();
-    while started.elapsed() < limit {
-        match client.get(url).timeout(Duration::from_secs(1)).send().await {
-            Ok(r) if r.status().is_success() => return Ok(()),
-            Ok(r) => last = format!("{url} answered {}", r.status()),
-            Err(e) => last = format!("{url}: {e}"),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    Err(last)
 }
 
 /// A long shared system prompt and a question that differs in every request
@@ -153,13 +124,6 @@ struct Phase {
     cpu_ns: Option<u64>,
     /// User and system CPU over the phase, in µs.
     user_sys_us: Option<(f64, f64)>,
-}
-
-fn percentile(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
 
 /// Sends `rate` requests a second for `seconds` to `url`; measures each one's

@@ -5,13 +5,55 @@
 mod engine;
 mod gateway;
 mod plugins;
+mod routing;
 pub mod upstream;
 
 pub use engine::{EngineBenchOptions, run_engine_bench};
 pub use gateway::{GatewayBenchOptions, run_gateway_bench};
 pub use plugins::{PluginBenchOptions, run_plugin_bench};
+pub use routing::{RoutingBenchOptions, TraceChoice, run_routing_bench};
 
-use std::time::Instant;
+use std::process::Child;
+use std::time::{Duration, Instant};
+
+/// A child process killed when dropped.
+struct ChildGuard(Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// Waits until `url` answers 2xx (at most `limit`).
+async fn wait_ready(client: &reqwest::Client, url: &str, limit: Duration) -> Result<(), String> {
+    let started = Instant::now();
+    let mut last = String::new();
+    while started.elapsed() < limit {
+        match client.get(url).timeout(Duration::from_secs(1)).send().await {
+            Ok(r) if r.status().is_success() => return Ok(()),
+            Ok(r) => last = format!("{url} answered {}", r.status()),
+            Err(e) => last = format!("{url}: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Err(last)
+}
+
+/// The `q` quantile (0..=1) of sorted values, nearest rank; NaN when empty.
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
 
 /// Runs `f` `iters` times in each of `rounds` rounds and returns the median
 /// nanoseconds per call.

@@ -1,0 +1,128 @@
+//! The routing benchmark's outputs besides its JSON lines: a markdown table
+//! of every run, and an SVG plot of TTFT p90 against load, one line per
+//! policy (plotters, SVG backend).
+
+use plotters::prelude::*;
+
+/// The figures of one (trace, load, policy) run, in modelled time.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RunFigures {
+    pub trace: String,
+    pub policy: String,
+    /// Offered load as a fraction of the fleet's capacity.
+    pub load: f64,
+    pub requests: usize,
+    pub errors: usize,
+    pub ttft_p50_ms: f64,
+    pub ttft_p90_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub e2e_p50_ms: f64,
+    pub e2e_p90_ms: f64,
+    /// Completed requests per modelled second.
+    pub throughput_rps: f64,
+    /// Output tokens per modelled second.
+    pub output_tok_s: f64,
+    /// Cached prompt tokens / prompt tokens, from the workers' counters.
+    pub hit_rate: f64,
+    /// The busiest worker's requests over the mean.
+    pub imbalance: f64,
+}
+
+pub fn markdown(runs: &[RunFigures]) -> String {
+    let mut out = String::from(
+        "| trace | load | policy | TTFT p50 | TTFT p90 | TTFT p99 | e2e p50 | e2e p90 | req/s | tok/s | hit rate | imbalance | errors |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in runs {
+        out.push_str(&format!(
+            "| {} | {:.0}% | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1} | {:.0} | {:.3} | {:.2} | {} |\n",
+            r.trace,
+            r.load * 100.0,
+            r.policy,
+            r.ttft_p50_ms,
+            r.ttft_p90_ms,
+            r.ttft_p99_ms,
+            r.e2e_p50_ms,
+            r.e2e_p90_ms,
+            r.throughput_rps,
+            r.output_tok_s,
+            r.hit_rate,
+            r.imbalance,
+            r.errors,
+        ));
+    }
+    out
+}
+
+/// TTFT p90 (ms, log scale) against load (%), one line per policy, for the
+/// runs of one trace; written to `path` as SVG.
+pub fn plot(runs: &[RunFigures], trace: &str, path: &std::path::Path) -> Result<(), String> {
+    let runs: Vec<&RunFigures> = runs.iter().filter(|r| r.trace == trace).collect();
+    if runs.is_empty() {
+        return Err(format!("no runs of {trace} to plot"));
+    }
+    let mut policies: Vec<&str> = runs.iter().map(|r| r.policy.as_str()).collect();
+    policies.dedup();
+    policies.sort_unstable();
+    policies.dedup();
+    let (lo, hi) = runs.iter().fold((f64::MAX, 0.0f64), |(lo, hi), r| {
+        (lo.min(r.ttft_p90_ms), hi.max(r.ttft_p90_ms))
+    });
+    let (x_lo, x_hi) = runs.iter().fold((100.0f64, 0.0f64), |(lo, hi), r| {
+        (lo.min(r.load * 100.0), hi.max(r.load * 100.0))
+    });
+    let root = SVGBackend::new(path, (800, 500)).into_drawing_area();
+    let e = |e: DrawingAreaErrorKind<_>| format!("plot: {e:?}");
+    root.fill(&WHITE).map_err(e)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            format!("TTFT p90 against load — {trace}"),
+            ("sans-serif", 22),
+        )
+        .margin(16)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(
+            (x_lo - 5.0)..(x_hi + 5.0),
+            ((lo * 0.8).max(0.1)..(hi * 1.25).max(1.0)).log_scale(),
+        )
+        .map_err(e)?;
+    chart
+        .configure_mesh()
+        .x_desc("offered load, % of fleet capacity")
+        .y_desc("TTFT p90, ms")
+        .draw()
+        .map_err(e)?;
+    for (i, policy) in policies.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let mut points: Vec<(f64, f64)> = runs
+            .iter()
+            .filter(|r| r.policy == *policy)
+            .map(|r| (r.load * 100.0, r.ttft_p90_ms.max(0.1)))
+            .collect();
+        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        chart
+            .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
+            .map_err(e)?
+            .label(policy.to_string())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+            });
+        chart
+            .draw_series(
+                points
+                    .into_iter()
+                    .map(|p| Circle::new(p, 3, color.filled())),
+            )
+            .map_err(e)?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+        .map_err(e)?;
+    root.present().map_err(e)?;
+    Ok(())
+}
