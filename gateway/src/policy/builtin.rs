@@ -7,30 +7,39 @@ use super::{
     FleetSaturation, FleetView, Rejection, RequestView, RouteDecision, RouterPolicy, WorkerState,
 };
 
-/// KV-aware routing with Dynamo's cost: for each worker that can serve the hop,
-/// `overlap_weight * (prompt blocks not cached there) + (KV blocks its running
-/// requests hold)`; the cheapest wins, ties to fewer active requests, then the
-/// lower index. The `kv-aware` plugin computes the same cost (plus an optional
-/// softmax temperature).
+/// KV-aware routing by estimated time to first token, in blocks of prefill:
+/// for each worker that can serve the hop, `uncached * (prompt blocks not
+/// cached there) + queued_prefill * (blocks of prefill queued there) +
+/// kv_held * (KV blocks its running requests hold)`; the cheapest wins, ties
+/// to fewer active requests, then the lower index. The `kv-aware` plugin
+/// computes the same cost by default (`cost=prefill`); Dynamo's cost is
+/// `uncached = 1, queued_prefill = 0, kv_held = 1`.
 #[derive(Clone, Copy, Debug)]
 pub struct KvAwareRouter {
-    pub overlap_weight: f64,
+    pub uncached: f64,
+    pub queued_prefill: f64,
+    pub kv_held: f64,
 }
 
 impl Default for KvAwareRouter {
     fn default() -> Self {
         Self {
-            overlap_weight: 1.0,
+            uncached: 1.0,
+            queued_prefill: 1.0,
+            kv_held: 0.02,
         }
     }
 }
 
 impl KvAwareRouter {
     /// The cost of a worker with `overlap` of the prompt's `prompt_blocks`
-    /// cached and `used` blocks held by running requests.
-    pub fn cost(&self, prompt_blocks: u32, overlap: u32, used: u32) -> f64 {
+    /// cached, `queued` blocks of prefill waiting and `held` blocks held by
+    /// running requests.
+    pub fn cost(&self, prompt_blocks: u32, overlap: u32, queued: u32, held: u32) -> f64 {
         let uncached = prompt_blocks.saturating_sub(overlap);
-        self.overlap_weight * f64::from(uncached) + f64::from(used)
+        self.uncached * f64::from(uncached)
+            + self.queued_prefill * f64::from(queued)
+            + self.kv_held * f64::from(held)
     }
 }
 
@@ -42,13 +51,15 @@ impl RouterPolicy for KvAwareRouter {
             .iter()
             .zip(fleet.overlap_blocks())
             .zip(fleet.kv_blocks_used())
-            .zip(fleet.active_requests());
+            .zip(fleet.active_requests())
+            .zip(fleet.queued_prefill_tokens());
+        let block_size = request.block_size.max(1);
         let mut best: Option<(f64, u32, usize)> = None;
-        for (i, (((&state, &overlap), &used), &active)) in columns.enumerate() {
+        for (i, ((((&state, &overlap), &used), &active), &queued)) in columns.enumerate() {
             if !WorkerState(state as u8).serves(request.hop) {
                 continue;
             }
-            let cost = self.cost(request.prompt_blocks, overlap, used);
+            let cost = self.cost(request.prompt_blocks, overlap, queued / block_size, used);
             if best.is_none_or(|(bc, ba, _)| cost < bc || (cost == bc && active < ba)) {
                 best = Some((cost, active, i));
             }

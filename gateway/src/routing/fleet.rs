@@ -43,6 +43,9 @@ pub struct Worker {
     /// KV blocks those requests' prompts take there (exact and immediate,
     /// where the worker's own report is up to 250 ms old).
     pub in_flight_blocks: AtomicU32,
+    /// Prompt tokens of those requests that were not cached there and whose
+    /// first token has not come back: the prefill queued ahead of a new one.
+    pub pending_prefill_tokens: AtomicU32,
     /// Requests routed there, ever.
     pub routed: AtomicU64,
     /// The worker's last reported load.
@@ -136,6 +139,7 @@ impl Fleet {
             removed: AtomicBool::new(false),
             in_flight: AtomicU32::new(0),
             in_flight_blocks: AtomicU32::new(0),
+            pending_prefill_tokens: AtomicU32::new(0),
             routed: AtomicU64::new(0),
             load: Mutex::new(Load::default()),
             registered_at: Mutex::new(Instant::now()),
@@ -212,7 +216,7 @@ impl Fleet {
                     // worker's report lags by up to 250 ms, long enough to
                     // make a worker that just finished look busy.
                     active_requests: w.in_flight.load(Ordering::Relaxed),
-                    queued_prefill_tokens: load.queued_prefill_tokens,
+                    queued_prefill_tokens: w.pending_prefill_tokens.load(Ordering::Relaxed),
                     kv_blocks_used: w.in_flight_blocks.load(Ordering::Relaxed),
                     kv_blocks_total: load.kv_blocks_total,
                     overlap_blocks: 0,

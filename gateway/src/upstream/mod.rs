@@ -7,7 +7,7 @@
 //! stream timeout between tokens.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 
 use sluice_backend::engine::{GenerateEvent, Usage};
@@ -205,11 +205,16 @@ async fn relay_inner(
         worker.routed.fetch_add(1, Ordering::Relaxed);
         gateway.metrics.routed(worker.id);
         let attempt = {
-            let _in_flight = InFlight::enter(
+            let block_size = job.view.block_size.max(1);
+            let cached = candidates.view.overlap_blocks().get(index).copied().unwrap_or(0);
+            let in_flight = InFlight::enter(
                 &worker,
-                job.view.prompt_tokens.div_ceil(job.view.block_size.max(1)),
+                job.view.prompt_tokens.div_ceil(block_size),
+                job.view
+                    .prompt_tokens
+                    .saturating_sub(cached.saturating_mul(block_size)),
             );
-            attempt(gateway, job, &worker, router_version, &mut out).await
+            attempt(gateway, job, &worker, router_version, &mut out, &in_flight).await
         };
         match attempt {
             Attempt::Finished(u) => {
@@ -245,22 +250,41 @@ fn timeout_error() -> ApiError {
 }
 
 /// Counts a request (and its prompt's KV blocks) running on a worker for as
-/// long as it lives.
+/// long as it lives, and its uncached prompt tokens as prefill queued there
+/// until its first token comes back.
 struct InFlight<'a> {
     worker: &'a Worker,
     blocks: u32,
+    /// Prefill tokens still counted on the worker (0 once prefilled).
+    prefill: AtomicU32,
 }
 
 impl<'a> InFlight<'a> {
-    fn enter(worker: &'a Worker, blocks: u32) -> Self {
+    fn enter(worker: &'a Worker, blocks: u32, prefill_tokens: u32) -> Self {
         worker.in_flight.fetch_add(1, Ordering::Relaxed);
         worker.in_flight_blocks.fetch_add(blocks, Ordering::Relaxed);
-        Self { worker, blocks }
+        worker
+            .pending_prefill_tokens
+            .fetch_add(prefill_tokens, Ordering::Relaxed);
+        Self {
+            worker,
+            blocks,
+            prefill: AtomicU32::new(prefill_tokens),
+        }
+    }
+
+    /// The prompt is prefilled (its first token is here).
+    fn prefilled(&self) {
+        let tokens = self.prefill.swap(0, Ordering::Relaxed);
+        self.worker
+            .pending_prefill_tokens
+            .fetch_sub(tokens, Ordering::Relaxed);
     }
 }
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
+        self.prefilled();
         self.worker.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.worker
             .in_flight_blocks
@@ -356,6 +380,7 @@ async fn attempt(
     worker: &Worker,
     router_version: Option<u64>,
     out: &mut Output,
+    in_flight: &InFlight<'_>,
 ) -> Attempt {
     out.buffered.clear();
     let request = gateway
@@ -444,9 +469,12 @@ async fn attempt(
                 GenerateEvent::Token(_) => {
                     let now = Instant::now();
                     match last_token {
-                        None => gateway
-                            .metrics
-                            .first_token(now.duration_since(job.arrived).as_secs_f64()),
+                        None => {
+                            in_flight.prefilled();
+                            gateway
+                                .metrics
+                                .first_token(now.duration_since(job.arrived).as_secs_f64());
+                        }
                         Some(t) => gateway
                             .metrics
                             .next_token(now.duration_since(t).as_secs_f64()),

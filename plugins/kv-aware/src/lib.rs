@@ -1,15 +1,20 @@
-//! KV-aware routing with Dynamo's cost: prompt blocks not cached on a worker
-//! (times `overlap_weight`) plus the KV blocks its running requests hold. With
-//! `temperature` 0 the cheapest worker wins; above 0 a worker is drawn with
-//! softmax weights over the normalized costs, spreading load across near-ties.
+//! KV-aware routing: each worker's cost is the prompt blocks it would have to
+//! prefill plus the prefill already queued there (an estimate of time to
+//! first token, `cost=prefill`, the default), or Dynamo's cost, prompt blocks
+//! to prefill plus the KV blocks its running requests hold (`cost=dynamo`).
+//! With `temperature` 0 the cheapest worker wins; above 0 a worker is drawn
+//! with softmax weights over the normalized costs, spreading load across
+//! near-ties.
 //!
-//! Config: `overlap_weight=1.0, temperature=0.0, seed=1`.
+//! Config: `cost=prefill, overlap_weight=1.0, queued_prefill_weight=1.0,
+//! kv_held_weight=0.02, temperature=0.0, seed=1` (the weights default to the
+//! preset's; see `sluice_plugin_sdk::kv::CostWeights`).
 
-use sluice_plugin_sdk::kv::{cheapest, cost, softmax_pick};
+use sluice_plugin_sdk::kv::{CostWeights, cheapest, cost, softmax_pick};
 use sluice_plugin_sdk::{Config, FleetView, RequestView, RouteDecision, Router, export_router};
 
 pub struct KvAware {
-    overlap_weight: f64,
+    weights: CostWeights,
     temperature: f64,
     /// splitmix64 state for softmax draws.
     rng: u64,
@@ -18,7 +23,7 @@ pub struct KvAware {
 impl Default for KvAware {
     fn default() -> Self {
         Self {
-            overlap_weight: 1.0,
+            weights: CostWeights::PREFILL,
             temperature: 0.0,
             rng: 1,
         }
@@ -40,16 +45,10 @@ impl KvAware {
 impl Router for KvAware {
     fn configure(&mut self, config: &str) -> Result<(), String> {
         let mut c = Config::parse(config)?;
-        self.overlap_weight = c.get("overlap_weight", 1.0)?;
+        self.weights = CostWeights::from_config(&mut c)?;
         self.temperature = c.get("temperature", 0.0)?;
         self.rng = c.get("seed", 1)?;
         c.finish()?;
-        if !(self.overlap_weight >= 0.0 && self.overlap_weight.is_finite()) {
-            return Err(format!(
-                "overlap_weight must be >= 0, got {}",
-                self.overlap_weight
-            ));
-        }
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
             return Err(format!(
                 "temperature must be >= 0, got {}",
@@ -61,12 +60,12 @@ impl Router for KvAware {
 
     fn route(&mut self, request: &RequestView, fleet: &FleetView) -> RouteDecision {
         let pick = if self.temperature == 0.0 {
-            cheapest(request, fleet, self.overlap_weight)
+            cheapest(request, fleet, self.weights)
         } else {
             let costs: Vec<(u32, f64)> = fleet
                 .eligible(request.hop)
                 .filter_map(|i| fleet.worker(i as usize))
-                .map(|w| (w.index, cost(request, &w, self.overlap_weight)))
+                .map(|w| (w.index, cost(request, &w, self.weights)))
                 .collect();
             let unit = self.next_unit();
             softmax_pick(&costs, self.temperature, unit)
@@ -97,21 +96,41 @@ mod tests {
     }
 
     #[test]
-    fn follows_the_cached_prefix_until_load_outweighs_it() {
+    fn follows_the_cached_prefix_until_queued_prefill_outweighs_it() {
         let mut r = RouterHarness::<KvAware>::new("").unwrap();
         // 20 blocks; worker 1 has 15 cached.
         assert_eq!(
             r.route(&request(320), &fleet(&[0, 15, 5], &[0, 0, 0])),
             RouteDecision::Worker(1)
         );
-        // Worker 1 now holds 30 blocks of running requests: costs are
-        // 20 + 0, 5 + 30 and 15 + 0.
+        // Running requests' blocks barely count: 30 held is 0.6 of a block.
+        assert_eq!(
+            r.route(&request(320), &fleet(&[0, 15, 5], &[0, 30, 0])),
+            RouteDecision::Worker(1)
+        );
+        // 12 blocks of prefill queued on worker 1: costs 20, 5 + 12, 15.
+        let f: FleetView = [(0, 0), (15, 12 * 16), (5, 0)]
+            .iter()
+            .enumerate()
+            .map(|(i, &(overlap, queued))| {
+                let mut w = Worker::idle(i as u32 + 1);
+                (w.overlap_blocks, w.queued_prefill_tokens) = (overlap, queued);
+                w
+            })
+            .collect();
+        assert_eq!(r.route(&request(320), &f), RouteDecision::Worker(2));
+    }
+
+    #[test]
+    fn dynamo_cost_counts_held_blocks_like_blocks_to_prefill() {
+        let mut r = RouterHarness::<KvAware>::new("cost=dynamo").unwrap();
+        // Costs 20 + 0, 5 + 30 and 15 + 0.
         assert_eq!(
             r.route(&request(320), &fleet(&[0, 15, 5], &[0, 30, 0])),
             RouteDecision::Worker(2)
         );
         // A heavier overlap weight makes the cache worth more again: 80, 50, 60.
-        let mut heavy = RouterHarness::<KvAware>::new("overlap_weight=4").unwrap();
+        let mut heavy = RouterHarness::<KvAware>::new("cost=dynamo, overlap_weight=4").unwrap();
         assert_eq!(
             heavy.route(&request(320), &fleet(&[0, 15, 5], &[0, 30, 0])),
             RouteDecision::Worker(1)

@@ -3,10 +3,11 @@
 //! was seen within `ttl_ms`; otherwise (and for requests without a session) it is
 //! routed KV-aware, and the choice is remembered.
 //!
-//! Config: `ttl_ms=300000, max_sessions=100000, overlap_weight=1.0`.
+//! Config: `ttl_ms=300000, max_sessions=100000`, and the cost keys of
+//! `sluice_plugin_sdk::kv::CostWeights` (`cost=prefill`, the weights).
 
 use sluice_plugin_sdk::collections::HashMap;
-use sluice_plugin_sdk::kv::cheapest;
+use sluice_plugin_sdk::kv::{CostWeights, cheapest};
 use sluice_plugin_sdk::{
     Config, FleetView, Hop, RequestView, RouteDecision, Router, counter_add, export_router, now_ns,
 };
@@ -14,7 +15,7 @@ use sluice_plugin_sdk::{
 pub struct SessionAffinity {
     ttl_ns: u64,
     max_sessions: usize,
-    overlap_weight: f64,
+    weights: CostWeights,
     /// (session hash, hop) -> (worker id, expiry in host ns).
     sessions: HashMap<(u64, u8), (u32, u64)>,
 }
@@ -24,7 +25,7 @@ impl Default for SessionAffinity {
         Self {
             ttl_ns: 300_000 * 1_000_000,
             max_sessions: 100_000,
-            overlap_weight: 1.0,
+            weights: CostWeights::PREFILL,
             sessions: HashMap::default(),
         }
     }
@@ -63,7 +64,7 @@ impl Router for SessionAffinity {
         let mut c = Config::parse(config)?;
         self.ttl_ns = c.get::<u64>("ttl_ms", 300_000)?.saturating_mul(1_000_000);
         self.max_sessions = c.get("max_sessions", 100_000)?;
-        self.overlap_weight = c.get("overlap_weight", 1.0)?;
+        self.weights = CostWeights::from_config(&mut c)?;
         c.finish()?;
         if self.max_sessions == 0 {
             return Err("max_sessions must be at least 1".into());
@@ -84,7 +85,7 @@ impl Router for SessionAffinity {
             counter_add("sticky", 1);
             return RouteDecision::Worker(i);
         }
-        let Some(i) = cheapest(request, fleet, self.overlap_weight) else {
+        let Some(i) = cheapest(request, fleet, self.weights) else {
             return RouteDecision::UseDefault;
         };
         if request.session_hash != 0 {
