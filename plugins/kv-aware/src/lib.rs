@@ -6,7 +6,7 @@
 //! with softmax weights over the normalized costs, spreading load across
 //! near-ties.
 //!
-//! Config: `cost=prefill, overlap_weight=1.0, queued_prefill_weight=1.0,
+//! Config: `cost=prefill, overlap_weight=1.5, queued_prefill_weight=1.0,
 //! kv_held_weight=0.02, temperature=0.0, seed=1` (the weights default to the
 //! preset's; see `sluice_plugin_sdk::kv::CostWeights`).
 
@@ -103,13 +103,14 @@ mod tests {
             r.route(&request(320), &fleet(&[0, 15, 5], &[0, 0, 0])),
             RouteDecision::Worker(1)
         );
-        // Running requests' blocks barely count: 30 held is 0.6 of a block.
+        // Running requests' blocks barely count: 30 held is 0.6 of a block
+        // (costs 30, 8.1, 22.5).
         assert_eq!(
             r.route(&request(320), &fleet(&[0, 15, 5], &[0, 30, 0])),
             RouteDecision::Worker(1)
         );
-        // 12 blocks of prefill queued on worker 1: costs 20, 5 + 12, 15.
-        let f: FleetView = [(0, 0), (15, 12 * 16), (5, 0)]
+        // 16 blocks of prefill queued on worker 1: costs 30, 7.5 + 16, 22.5.
+        let f: FleetView = [(0, 0), (15, 16 * 16), (5, 0)]
             .iter()
             .enumerate()
             .map(|(i, &(overlap, queued))| {

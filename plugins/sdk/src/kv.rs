@@ -27,9 +27,12 @@ impl CostWeights {
     /// An estimate of time to first token in units of one block's prefill:
     /// this request's uncached blocks plus the prefill queued ahead of it. A
     /// block held by a running request costs a decode step far less than a
-    /// block of prefill does (it is read, not computed), hence 0.02.
+    /// block of prefill does (it is read, not computed), hence 0.02. Blocks
+    /// to prefill weigh 1.5: a request sent away from its cached history
+    /// leaves that history behind for its session's later turns too (1.5
+    /// beat 1, 2 and 4 on the agentic trace; BENCHMARKS.md).
     pub const PREFILL: CostWeights = CostWeights {
-        uncached: 1.0,
+        uncached: 1.5,
         queued_prefill: 1.0,
         kv_held: 0.02,
     };
@@ -149,7 +152,7 @@ mod tests {
         assert_eq!(cost(&request(160), &w, dynamo), 2.0 * 7.0 + 7.0);
         assert_eq!(
             cost(&request(160), &w, CostWeights::PREFILL),
-            7.0 + 5.0 + 0.02 * 7.0
+            1.5 * 7.0 + 5.0 + 0.02 * 7.0
         );
         w.overlap_blocks = 99; // more than the prompt: nothing to prefill
         assert_eq!(cost(&request(160), &w, dynamo), 7.0);
@@ -172,7 +175,7 @@ mod tests {
     fn weights_come_from_the_config() {
         let mut c = crate::Config::parse("cost=dynamo, kv_held_weight=0.5").expect("parses");
         let w = CostWeights::from_config(&mut c).expect("valid");
-        assert_eq!(w.uncached, 1.0);
+        assert_eq!(w.uncached, 1.0, "the dynamo preset's");
         assert_eq!(w.kv_held, 0.5);
         assert_eq!(w.queued_prefill, 0.0);
         let mut c = crate::Config::parse("").expect("parses");

@@ -55,7 +55,8 @@ pub struct RoutingBenchOptions {
     /// Offered loads, as fractions of the fleet's capacity.
     pub loads: Vec<f64>,
     /// `round-robin`, `least-load`, `kv-aware`, `session-affinity` (our
-    /// plugins), `sglang:<policy>`, `vllm:<policy>` (peers).
+    /// plugins, each optionally with `?<plugin config>`), `sglang:<policy>`,
+    /// `vllm:<policy>` (peers).
     pub policies: Vec<String>,
     /// Real seconds over which sessions arrive in each run.
     pub window_s: f64,
@@ -121,6 +122,11 @@ fn plugin_file(policy: &str) -> Option<&'static str> {
     })
 }
 
+/// How many runs have made their folder under `dir` (a fresh name per run).
+fn runs_so_far(dir: &Path) -> usize {
+    std::fs::read_dir(dir).map_or(0, |d| d.count())
+}
+
 /// Starts the router for `policy` on `port`.
 fn start_router(
     options: &RoutingBenchOptions,
@@ -129,9 +135,11 @@ fn start_router(
     port: u16,
     dir: &Path,
 ) -> Result<Router, RoutingBenchError> {
-    if let Some(file) = plugin_file(policy) {
+    // `kv-aware?overlap_weight=2`: a plugin with its config.
+    let (name, plugin_config) = policy.split_once('?').unwrap_or((policy, ""));
+    if let Some(file) = plugin_file(name) {
         let source = options.plugins_dir.join(file);
-        let plugins = dir.join(format!("plugins-{policy}"));
+        let plugins = dir.join(format!("plugins-{}", runs_so_far(dir)));
         std::fs::create_dir_all(&plugins)?;
         std::fs::copy(&source, plugins.join("router.wasm")).map_err(|e| {
             setup(format!(
@@ -139,6 +147,7 @@ fn start_router(
                 source.display()
             ))
         })?;
+        std::fs::write(plugins.join("router.conf"), plugin_config)?;
         let p = &options.profile;
         let config = format!(
             "listen = \"127.0.0.1:{port}\"\nmodel = {model:?}\nserved_model_name = \"sim\"\n\
@@ -151,7 +160,7 @@ fn start_router(
             plugins = plugins.display().to_string(),
             running = p.max_running,
         );
-        let config_path = dir.join(format!("gateway-{policy}.toml"));
+        let config_path = plugins.join("gateway.toml");
         std::fs::write(&config_path, config)?;
         let child = Command::new(std::env::current_exe()?)
             .args(["serve", "--config"])
