@@ -53,7 +53,28 @@ pub struct Config {
     pub admin_token: Option<String>,
     pub limits: Limits,
     pub fleet: FleetConfig,
+    pub routing: RoutingConfig,
     pub telemetry: TelemetryConfig,
+}
+
+/// Records of routing decisions, for `sluice plugins replay`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RoutingConfig {
+    /// A file that every routing decision's inputs and answer are appended
+    /// to (JSON lines); none = not recorded.
+    pub decision_log: Option<PathBuf>,
+    /// The file stops growing at this size.
+    pub decision_log_max_bytes: u64,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        Self {
+            decision_log: None,
+            decision_log_max_bytes: 1 << 30,
+        }
+    }
 }
 
 /// One client key and the tenant it stands for.
@@ -124,6 +145,7 @@ impl Default for Config {
             admin_token: None,
             limits: Limits::default(),
             fleet: FleetConfig::default(),
+            routing: RoutingConfig::default(),
             telemetry: TelemetryConfig::default(),
         }
     }

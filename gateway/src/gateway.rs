@@ -11,7 +11,8 @@ use sluice_backend::server::Frontend;
 use crate::admission::AdmissionQueue;
 use crate::config::Config;
 use crate::plugins::{self, HostConfig, Runtime, Slot, WasmAdmission, WasmCachePolicy, WasmRouter};
-use crate::routing::{Fleet, Origin};
+use crate::routing::decision_log::DecisionLog;
+use crate::routing::{Fleet, Origin, Shadow};
 use crate::telemetry::Metrics;
 
 /// Why the gateway could not start.
@@ -54,6 +55,8 @@ pub struct Policies {
     pub router: WasmRouter,
     pub admission: WasmAdmission,
     pub cache: WasmCachePolicy,
+    /// A candidate router asked beside the active one, never acted on.
+    pub shadow: Shadow,
 }
 
 impl Policies {
@@ -66,6 +69,7 @@ impl Policies {
             router: WasmRouter::new(Arc::new(Slot::new(runtime.clone()))),
             admission: WasmAdmission::new(Arc::new(Slot::new(runtime.clone()))),
             cache: WasmCachePolicy::new(Arc::new(Slot::new(runtime.clone()))),
+            shadow: Shadow::new(runtime.clone()),
             runtime,
         })
     }
@@ -98,6 +102,8 @@ pub struct Gateway {
     /// Response ids: `<prefix>-<instance>-<n>`.
     pub instance: String,
     pub next_request: AtomicU64,
+    /// Where routing decisions' inputs are recorded, when configured.
+    pub decision_log: Option<DecisionLog>,
     /// The runtime `start` ran on: worker monitors live there, never on a
     /// server thread whose request work could delay their heartbeats.
     background: tokio::runtime::Handle,
@@ -168,7 +174,19 @@ impl Gateway {
                 token
             }
         };
+        let decision_log = match &config.routing.decision_log {
+            Some(path) => Some(
+                DecisionLog::open(path, config.routing.decision_log_max_bytes).map_err(
+                    |source| StartError::Read {
+                        path: path.display().to_string(),
+                        source,
+                    },
+                )?,
+            ),
+            None => None,
+        };
         let gateway = Arc::new(Gateway {
+            decision_log,
             queue: AdmissionQueue::new(config.limits.max_queued),
             instance: format!("{:x}", created ^ u64::from(std::process::id())),
             config,

@@ -93,6 +93,7 @@ enum Command {
         which: Sim,
     },
     /// Work with policy plugin components.
+    #[command(alias = "plugin")]
     Plugins {
         #[command(subcommand)]
         which: Plugins,
@@ -144,6 +145,20 @@ enum Sim {
 
 #[derive(Subcommand)]
 enum Plugins {
+    /// Ask a router plugin what it would have done with every decision of a
+    /// decision log (the gateway's `[routing] decision_log`), and compare.
+    Replay {
+        /// The router component (`.wasm`).
+        plugin: PathBuf,
+        /// The decision log (JSON lines).
+        log: PathBuf,
+        /// The config string passed to the plugin's `init`.
+        #[arg(long, default_value = "")]
+        config: String,
+        /// Replay at most this many records.
+        #[arg(long)]
+        limit: Option<u64>,
+    },
     /// Load a component as the gateway would (compile, check imports and
     /// exports, init with the config, smoke call) and print the verdict.
     Check {
@@ -361,6 +376,15 @@ fn run() -> anyhow::Result<()> {
             })?;
         }
         Command::Sim { which } => run_sim(which)?,
+        Command::Plugins {
+            which:
+                Plugins::Replay {
+                    plugin,
+                    log,
+                    config,
+                    limit,
+                },
+        } => replay(&plugin, &log, &config, limit)?,
         Command::Plugins {
             which: Plugins::Check { file, kind, config },
         } => match kind {
@@ -586,6 +610,41 @@ fn model_path(model: Option<PathBuf>) -> PathBuf {
         .and_then(|exe| exe.ancestors().nth(3).map(|root| root.join(DEFAULT_MODEL)))
         .filter(|p| p.exists())
         .unwrap_or(here)
+}
+
+/// `sluice plugins replay`: prints the comparison as one JSON object.
+fn replay(plugin: &Path, log: &Path, config: &str, limit: Option<u64>) -> anyhow::Result<()> {
+    use sluice_gateway::plugins::WasmRouter;
+    let bytes = std::fs::read(plugin).with_context(|| format!("reading {}", plugin.display()))?;
+    let name = plugin
+        .file_stem()
+        .map_or_else(|| "plugin".into(), |s| s.to_string_lossy().into_owned());
+    let runtime =
+        Arc::new(Runtime::new(HostConfig::default()).map_err(|e| anyhow::anyhow!("{e:#}"))?);
+    let router = WasmRouter::new(Arc::new(Slot::<Router>::new(runtime)));
+    let (identity, _) = router.slot().load(&name, &bytes, config)?;
+    let file = std::fs::File::open(log).with_context(|| format!("opening {}", log.display()))?;
+    let report = sluice_gateway::routing::decision_log::replay(
+        std::io::BufReader::new(file),
+        |request, fleet| {
+            let (decision, version) = router.route_traced(request, fleet);
+            (decision, version.is_some())
+        },
+        limit,
+    )
+    .with_context(|| format!("reading {}", log.display()))?;
+    if report.records == 0 {
+        anyhow::bail!(
+            "{} holds no decision records ({} malformed lines)",
+            log.display(),
+            report.malformed
+        );
+    }
+    println!(
+        "{}",
+        serde_json::json!({"plugin": identity, "replay": report})
+    );
+    Ok(())
 }
 
 /// `sluice plugins check`: prints the identity and load time, or the refusal.

@@ -1,8 +1,9 @@
 //! The admin API (behind the admin token, see `crate::api`): the fleet
 //! (`GET /admin/workers`, `POST` to register, `DELETE /admin/workers/{id}`)
 //! and the plugin slots (`GET /admin/plugins`, `PUT /admin/plugins/{slot}`
-//! with a component as the body, `POST /admin/plugins/{slot}/rollback`); and
-//! the plugins folder, loaded at start and watched for changes.
+//! with a component as the body, `POST /admin/plugins/{slot}/rollback`), a
+//! candidate router in shadow (`PUT`/`DELETE /admin/plugins/router/shadow`);
+//! and the plugins folder, loaded at start and watched for changes.
 
 mod plugins_dir;
 
@@ -33,6 +34,10 @@ pub fn router() -> Router<Arc<Gateway>> {
         .route("/admin/plugins", get(plugins))
         .route("/admin/plugins/{slot}", axum::routing::put(put_plugin))
         .route("/admin/plugins/{slot}/rollback", post(rollback))
+        .route(
+            "/admin/plugins/router/shadow",
+            axum::routing::put(put_shadow).delete(delete_shadow),
+        )
 }
 
 async fn workers(State(gateway): State<Arc<Gateway>>) -> Json<serde_json::Value> {
@@ -68,7 +73,10 @@ async fn remove(State(gateway): State<Arc<Gateway>>, Path(id): Path<u32>) -> Res
 }
 
 async fn plugins(State(gateway): State<Arc<Gateway>>) -> Json<serde_json::Value> {
-    Json(json!({"slots": gateway.policies.status()}))
+    Json(json!({
+        "slots": gateway.policies.status(),
+        "shadow": gateway.policies.shadow.status(),
+    }))
 }
 
 #[derive(serde::Deserialize)]
@@ -136,19 +144,9 @@ async fn put_plugin(
         Ok(s) => s,
         Err(e) => return e.into_response(),
     };
-    let bytes = match axum::body::to_bytes(body, MAX_COMPONENT_BYTES).await {
-        Ok(b) if !b.is_empty() => b,
-        Ok(_) => {
-            return ApiError::invalid("the body must be the component's bytes", None)
-                .into_response();
-        }
-        Err(_) => {
-            return ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!("a component may be at most {MAX_COMPONENT_BYTES} bytes"),
-            )
-            .into_response();
-        }
+    let bytes = match component_bytes(body).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
     };
     let name = query.name.unwrap_or_else(|| slot.as_str().to_string());
     let g = gateway.clone();
@@ -169,6 +167,63 @@ async fn put_plugin(
             ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, e.to_string()).into_response()
         }
         Err(e) => ApiError::unavailable(format!("the load task failed: {e}")).into_response(),
+    }
+}
+
+/// A request body holding a component: not empty, at most [`MAX_COMPONENT_BYTES`].
+async fn component_bytes(body: axum::body::Body) -> Result<axum::body::Bytes, ApiError> {
+    match axum::body::to_bytes(body, MAX_COMPONENT_BYTES).await {
+        Ok(b) if !b.is_empty() => Ok(b),
+        Ok(_) => Err(ApiError::invalid(
+            "the body must be the component's bytes",
+            None,
+        )),
+        Err(_) => Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("a component may be at most {MAX_COMPONENT_BYTES} bytes"),
+        )),
+    }
+}
+
+/// `PUT /admin/plugins/router/shadow` (component as the body, optional
+/// `?config=` and `?name=`): validates the candidate and starts asking it
+/// beside the active router, with fresh counts.
+async fn put_shadow(
+    State(gateway): State<Arc<Gateway>>,
+    Query(query): Query<PutQuery>,
+    body: axum::body::Body,
+) -> Response {
+    let bytes = match component_bytes(body).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let name = query.name.unwrap_or_else(|| "shadow".to_string());
+    let g = gateway.clone();
+    let loaded =
+        tokio::task::spawn_blocking(move || g.policies.shadow.load(&name, &bytes, &query.config))
+            .await;
+    match loaded {
+        Ok(Ok(identity)) => {
+            tracing::info!(plugin = %identity.name, version = identity.version, "shadow router started");
+            Json(json!({"slot": "router", "shadow": identity})).into_response()
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "shadow plugin refused");
+            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, e.to_string()).into_response()
+        }
+        Err(e) => ApiError::unavailable(format!("the load task failed: {e}")).into_response(),
+    }
+}
+
+/// `DELETE /admin/plugins/router/shadow`: stops shadowing; answers the
+/// candidate's last counts.
+async fn delete_shadow(State(gateway): State<Arc<Gateway>>) -> Response {
+    let status = gateway.policies.shadow.status();
+    match gateway.policies.shadow.clear() {
+        Some(identity) => {
+            Json(json!({"stopped": identity, "comparison": status.comparison})).into_response()
+        }
+        None => ApiError::new(StatusCode::NOT_FOUND, "no shadow router is running").into_response(),
     }
 }
 

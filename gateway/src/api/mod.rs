@@ -72,7 +72,10 @@ async fn health(State(gateway): State<Arc<Gateway>>) -> Response {
 }
 
 async fn metrics(State(gateway): State<Arc<Gateway>>) -> Response {
-    let text = gateway.metrics.render(&gateway.policies.status());
+    let text = gateway.metrics.render(
+        &gateway.policies.status(),
+        &gateway.policies.shadow.status(),
+    );
     (
         [(
             header::CONTENT_TYPE,

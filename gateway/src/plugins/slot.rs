@@ -371,6 +371,18 @@ impl<K: PluginKind> Slot<K> {
         Ok(identity)
     }
 
+    /// Empties the slot: the active version is retired and kept as the
+    /// previous one (so a rollback brings it back). Returns what was active.
+    pub fn clear(&self) -> Option<PluginIdentity> {
+        let _guard = self.swapping.lock().unwrap_or_else(|e| e.into_inner());
+        let old = self.current.swap(None)?;
+        old.retire();
+        let identity = (*old.identity).clone();
+        *self.previous.lock().unwrap_or_else(|e| e.into_inner()) = Some(old);
+        tracing::info!(slot = K::INTERFACE, plugin = %identity.name, version = identity.version, "plugin unloaded");
+        Some(identity)
+    }
+
     pub fn status(&self) -> SlotStatus {
         let stats = &self.shared.stats;
         let previous = self.previous.lock().unwrap_or_else(|e| e.into_inner());

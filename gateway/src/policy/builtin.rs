@@ -165,13 +165,33 @@ mod tests {
     }
 
     #[test]
-    fn load_outweighs_a_small_overlap() {
-        let f = fleet(&[4, 0], &[50, 0], &[], &[]);
-        // Worker 0: 6 uncached + 50 used = 56; worker 1: 10 + 0 = 10.
+    fn queued_prefill_outweighs_a_small_overlap() {
+        let mut f = fleet(&[4, 0], &[50, 0], &[], &[]);
+        // Held blocks barely count: 1.5 * 6 + 0.02 * 50 = 10 against 15.
+        assert_eq!(
+            KvAwareRouter::default().route(&request(10), &f),
+            RouteDecision::Worker(0)
+        );
+        // 8 blocks of prefill queued on worker 0: 18 against 15.
+        let mut workers: Vec<WorkerLoad> = (0..2).filter_map(|i| f.worker(i)).collect();
+        workers[0].queued_prefill_tokens = 8 * 16;
+        f = FleetView::from_workers(&workers);
         assert_eq!(
             KvAwareRouter::default().route(&request(10), &f),
             RouteDecision::Worker(1)
         );
+    }
+
+    #[test]
+    fn dynamo_weights_count_held_blocks_like_blocks_to_prefill() {
+        let f = fleet(&[4, 0], &[50, 0], &[], &[]);
+        let dynamo = KvAwareRouter {
+            uncached: 1.0,
+            queued_prefill: 0.0,
+            kv_held: 1.0,
+        };
+        // Worker 0: 6 uncached + 50 used = 56; worker 1: 10 + 0 = 10.
+        assert_eq!(dynamo.route(&request(10), &f), RouteDecision::Worker(1));
     }
 
     #[test]

@@ -116,6 +116,12 @@ impl FleetView {
         }
     }
 
+    /// A fleet from its packed buffer (as [`FleetView::columns`] gives it);
+    /// `None` when the buffer is not `workers` times the columns long.
+    pub fn from_columns(workers: usize, columns: Vec<u32>) -> Option<Self> {
+        (columns.len() == workers.checked_mul(column::COUNT)?).then_some(Self { workers, columns })
+    }
+
     pub fn len(&self) -> usize {
         self.workers
     }

@@ -11,6 +11,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use crate::plugins::SlotStatus;
+use crate::routing::ShadowStatus;
 
 /// How a request ended.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
@@ -146,7 +147,7 @@ impl Metrics {
     }
 
     /// The OpenMetrics text of everything, plugin slots included.
-    pub fn render(&self, slots: &[SlotStatus]) -> String {
+    pub fn render(&self, slots: &[SlotStatus], shadow: &ShadowStatus) -> String {
         let mut out = String::new();
         if prometheus_client::encoding::text::encode_registry(&mut out, &self.registry).is_err() {
             out.clear();
@@ -162,8 +163,55 @@ impl Metrics {
             "# HELP sluice_kv_hit_rate Cached prompt blocks / prompt blocks.\n# TYPE sluice_kv_hit_rate gauge\nsluice_kv_hit_rate {hit_rate}"
         );
         render_plugins(&mut out, slots);
+        render_shadow(&mut out, shadow);
         prometheus_client::encoding::text::encode_eof(&mut out).ok();
         out
+    }
+}
+
+/// The shadow router's comparison with the active one, labelled with the
+/// candidate (nothing while no candidate runs).
+fn render_shadow(out: &mut String, shadow: &ShadowStatus) {
+    let Some(candidate) = &shadow.candidate else {
+        return;
+    };
+    let labels = format!(
+        "plugin=\"{}\",version=\"{}\"",
+        candidate.name.replace(['"', '\\', '\n'], "_"),
+        candidate.version
+    );
+    let c = &shadow.comparison;
+    for (name, help, value) in [
+        (
+            "decisions",
+            "Requests both the active and the shadow router decided.",
+            c.decisions,
+        ),
+        (
+            "disagreements",
+            "Of those, the ones where they picked different workers.",
+            c.disagreements,
+        ),
+        (
+            "fallbacks",
+            "Shadow calls answered by the built-in policy (deferred or failed).",
+            c.candidate_fallbacks,
+        ),
+        (
+            "active_overlap_blocks",
+            "Prompt blocks cached on the workers the active router picked.",
+            c.active_overlap_blocks,
+        ),
+        (
+            "candidate_overlap_blocks",
+            "Prompt blocks cached on the workers the shadow router would have picked.",
+            c.candidate_overlap_blocks,
+        ),
+    ] {
+        let _ = writeln!(
+            out,
+            "# HELP sluice_shadow_{name} {help}\n# TYPE sluice_shadow_{name} counter\nsluice_shadow_{name}_total{{{labels}}} {value}"
+        );
     }
 }
 

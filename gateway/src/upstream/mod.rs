@@ -19,6 +19,7 @@ use crate::admission::Ticket;
 use crate::gateway::Gateway;
 use crate::policy::{AdmissionPolicy, Completion, Outcome, RequestView, RouteDecision};
 use crate::routing::Worker;
+use crate::routing::decision_log::DecisionRecord;
 use crate::telemetry::{RequestOutcome, TraceContext};
 
 /// What the answer's headers say, known once the first token is in.
@@ -179,6 +180,18 @@ async fn relay_inner(
             .policies
             .router
             .route_traced(&job.view, &candidates.view);
+        gateway
+            .policies
+            .shadow
+            .observe(&job.view, &candidates.view, &decision);
+        if let Some(log) = &gateway.decision_log {
+            log.record(DecisionRecord::new(
+                &job.view,
+                &candidates.view,
+                &decision,
+                router_version,
+            ));
+        }
         let index = match decision {
             RouteDecision::Worker(i) => i,
             RouteDecision::Reject(r) => {
@@ -206,7 +219,12 @@ async fn relay_inner(
         gateway.metrics.routed(worker.id);
         let attempt = {
             let block_size = job.view.block_size.max(1);
-            let cached = candidates.view.overlap_blocks().get(index).copied().unwrap_or(0);
+            let cached = candidates
+                .view
+                .overlap_blocks()
+                .get(index)
+                .copied()
+                .unwrap_or(0);
             let in_flight = InFlight::enter(
                 &worker,
                 job.view.prompt_tokens.div_ceil(block_size),

@@ -72,9 +72,14 @@ impl Trace {
     }
 }
 
-/// Exponential with the given mean (inter-arrival and think times).
+/// Exponential with the given mean (inter-arrival and think times), to the
+/// microsecond (so that a trace survives its JSON round trip exactly).
 fn exponential(rng: &mut StdRng, mean: f64) -> f64 {
-    -mean * (1.0 - rng.random::<f64>()).ln()
+    micros(-mean * (1.0 - rng.random::<f64>()).ln())
+}
+
+fn micros(seconds: f64) -> f64 {
+    (seconds * 1e6).round() / 1e6
 }
 
 /// The shape of the agentic-coding trace.
@@ -170,7 +175,7 @@ pub fn agentic(p: &AgenticParams) -> Trace {
     let mut arrival = 0.0;
     let sessions = (0..p.sessions)
         .map(|_| {
-            arrival += exponential(&mut rng, 1.0);
+            arrival = micros(arrival + exponential(&mut rng, 1.0));
             let n = between(&mut rng, p.turns);
             let turns = (0..n)
                 .map(|k| {
@@ -253,7 +258,7 @@ pub fn sharegpt(path: &Path, sessions: usize, think_mean: f64, seed: u64) -> Res
         if turns.len() < 2 || turns.iter().any(|t| t.user.trim().is_empty()) {
             continue;
         }
-        arrival += exponential(&mut rng, 1.0);
+        arrival = micros(arrival + exponential(&mut rng, 1.0));
         out.push(Session {
             arrival,
             system: None,
@@ -292,7 +297,7 @@ pub fn mt_bench(path: &Path, think_mean: f64, seed: u64) -> Result<Trace, String
         if turns.is_empty() {
             continue;
         }
-        arrival += exponential(&mut rng, 1.0);
+        arrival = micros(arrival + exponential(&mut rng, 1.0));
         sessions.push(Session {
             arrival,
             system: None,

@@ -1,0 +1,165 @@
+//! The simulated engine behind the worker's real HTTP API: it says it is
+//! simulated, answers deterministically with exactly `max_tokens` word
+//! tokens, reuses cached prefixes, takes the time its profile gives, and
+//! answers the endpoints peer routers ask of a worker.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde_json::{Value, json};
+use sluice_backend::model::Tokenizer;
+use sluice_backend::sim::{Profile, SimFleet, SimOptions, StepShape, word_tokens};
+
+fn tokenizer() -> Arc<Tokenizer> {
+    let path = common::model_path();
+    let info = sluice_backend::model::describe(&path)
+        .unwrap_or_else(|e| panic!("{e}. Fetch the model with `make model`"));
+    Arc::new(info.tokenizer)
+}
+
+async fn fleet(workers: usize, time_scale: f64) -> SimFleet {
+    let options = SimOptions {
+        time_scale,
+        ..SimOptions::new(Profile::h200_llama_8b(), workers)
+    };
+    SimFleet::start(tokenizer(), &options)
+        .await
+        .expect("starts")
+}
+
+async fn post(url: &str, path: &str, body: Value) -> (u16, Value) {
+    let r = reqwest::Client::new()
+        .post(format!("{url}{path}"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+async fn get(url: &str, path: &str) -> Value {
+    reqwest::get(format!("{url}{path}"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+fn chat(system: &str, max_tokens: u32) -> Value {
+    json!({
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "Read src/main.rs and list its functions."},
+        ],
+        "max_tokens": max_tokens,
+    })
+}
+
+#[test]
+fn word_tokens_are_words_that_encode_to_themselves() {
+    let t = tokenizer();
+    let words = word_tokens(&t);
+    assert!(words.len() > 1000, "{} words", words.len());
+    for &id in words.iter().take(200) {
+        let text = t.decode(&[id], false).unwrap();
+        assert!(text.starts_with(' ') && text[1..].bytes().all(|b| b.is_ascii_lowercase()));
+        assert_eq!(t.encode(&text).unwrap(), vec![id]);
+    }
+    // So a run of them re-tokenizes to the same ids.
+    let text = t.decode(&words[..50], false).unwrap();
+    assert_eq!(t.encode(&text).unwrap(), words[..50].to_vec());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn says_it_is_simulated() {
+    let f = fleet(2, 1.0).await;
+    assert_eq!(f.urls.len(), 2);
+    for url in &f.urls {
+        let models = get(url, "/v1/models").await;
+        assert_eq!(models["data"][0]["owned_by"], "sluice-sim");
+        assert_eq!(models["data"][0]["simulated"], "h200-llama-8b");
+        let health = get(url, "/health").await;
+        assert_eq!(health["simulated"], "h200-llama-8b");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_are_deterministic_exact_length_and_reuse_the_cache() {
+    let f = fleet(1, 1.0).await;
+    let url = &f.urls[0];
+    let system = "You are a coding agent. ".repeat(40);
+    let (status, first) = post(url, "/v1/chat/completions", chat(&system, 24)).await;
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["usage"]["completion_tokens"], 24);
+    assert_eq!(first["choices"][0]["finish_reason"], "length");
+    let (_, second) = post(url, "/v1/chat/completions", chat(&system, 24)).await;
+    assert_eq!(
+        first["choices"][0]["message"]["content"], second["choices"][0]["message"]["content"],
+        "the same prompt gets the same answer"
+    );
+    let prompt = second["usage"]["prompt_tokens"].as_u64().unwrap();
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached >= prompt - 16 && cached < prompt,
+        "{cached} of {prompt}"
+    );
+    let metrics = reqwest::get(format!("{url}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metrics.contains("sluice_worker_cached_prompt_tokens_total"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_takes_the_time_the_profile_gives() {
+    // Ten times slower than the profile, so the modelled time dominates.
+    let f = fleet(1, 10.0).await;
+    let system = "alpha beta gamma delta ".repeat(300); // over 1,000 tokens
+    let started = Instant::now();
+    let (status, answer) = post(&f.urls[0], "/v1/chat/completions", chat(&system, 1)).await;
+    let elapsed = started.elapsed().as_secs_f64();
+    assert_eq!(status, 200, "{answer}");
+    let n = answer["usage"]["prompt_tokens"].as_f64().unwrap();
+    let modelled = Profile::h200_llama_8b().step_seconds(StepShape {
+        tokens: n,
+        pairs: n * (n + 1.0) / 2.0,
+        kv_reads: 0.0,
+    }) * 10.0;
+    assert!(
+        elapsed >= modelled * 0.95,
+        "{elapsed:.3} s for a {modelled:.3} s prefill"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_what_peer_routers_ask() {
+    let f = fleet(1, 1.0).await;
+    let url = &f.urls[0];
+    let info = get(url, "/get_server_info").await;
+    assert_eq!(info["block_size"], 16);
+    assert_eq!(info["page_size"], 16);
+    assert_eq!(info["simulated"], "h200-llama-8b");
+    assert!(info["max_total_num_tokens"].as_u64().unwrap() > 100_000);
+    assert_eq!(get(url, "/get_model_info").await["is_generation"], true);
+    assert_eq!(get(url, "/health_generate").await["status"], "ok");
+
+    let (status, text) = post(url, "/tokenize", json!({"prompt": "hello world"})).await;
+    assert_eq!(status, 200);
+    assert_eq!(text["count"], text["tokens"].as_array().unwrap().len());
+    let messages = chat("Be brief.", 8);
+    let (_, by_messages) = post(url, "/tokenize", messages.clone()).await;
+    let (status, rendered) = post(url, "/v1/chat/completions/render", messages).await;
+    assert_eq!(status, 200, "{rendered}");
+    assert_eq!(rendered["token_ids"], by_messages["tokens"]);
+    let (status, bad) = post(url, "/tokenize", json!({"text": 1})).await;
+    assert_eq!(status, 400);
+    assert_eq!(bad["error"]["param"], "prompt");
+}
