@@ -12,6 +12,8 @@ use serde_json::{Value, json};
 use sluice_backend::model::Tokenizer;
 use sluice_backend::sim::{Profile, SimFleet, SimOptions, StepShape, word_tokens};
 
+use common::post;
+
 fn tokenizer() -> Arc<Tokenizer> {
     let path = common::model_path();
     let info = sluice_backend::model::describe(&path)
@@ -27,17 +29,6 @@ async fn fleet(workers: usize, time_scale: f64) -> SimFleet {
     SimFleet::start(tokenizer(), &options)
         .await
         .expect("starts")
-}
-
-async fn post(url: &str, path: &str, body: Value) -> (u16, Value) {
-    let r = reqwest::Client::new()
-        .post(format!("{url}{path}"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    let status = r.status().as_u16();
-    (status, r.json().await.unwrap_or(Value::Null))
 }
 
 async fn get(url: &str, path: &str) -> Value {
@@ -162,4 +153,27 @@ async fn answers_what_peer_routers_ask() {
     let (status, bad) = post(url, "/tokenize", json!({"text": 1})).await;
     assert_eq!(status, 400);
     assert_eq!(bad["error"]["param"], "prompt");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_and_twenty_eight_workers_serve_from_one_process() {
+    let f = fleet(128, 1.0).await;
+    let distinct: std::collections::HashSet<&String> = f.urls.iter().collect();
+    assert_eq!(distinct.len(), 128, "each worker on its own port");
+    let client = reqwest::Client::new();
+    for url in &f.urls {
+        let health: Value = client
+            .get(format!("{url}/health"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(health["status"], "ok", "{url}");
+    }
+    // And each one generates.
+    let (status, body) = post(&f.urls[127], "/v1/chat/completions", chat("Hi.", 3)).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["usage"]["completion_tokens"], 3);
 }

@@ -10,6 +10,8 @@ use serde_json::{Value, json};
 use sluice_backend::engine::{Engine, EngineConfig};
 use sluice_backend::server::{WorkerState, serve};
 
+use common::post;
+
 /// Starts a worker on 127.0.0.1:<free port>; returns its base URL.
 async fn start() -> String {
     let path = common::model_path();
@@ -29,17 +31,6 @@ async fn start() -> String {
 
 fn question() -> Value {
     json!([{"role": "user", "content": "What is the capital of France?"}])
-}
-
-async fn post(url: &str, path: &str, body: Value) -> (u16, Value) {
-    let r = reqwest::Client::new()
-        .post(format!("{url}{path}"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    let status = r.status().as_u16();
-    (status, r.json().await.unwrap_or(Value::Null))
 }
 
 /// The `data:` payloads of an SSE body.

@@ -1,8 +1,8 @@
 //! The engine loop: continuous batching on one thread. Each step admits waiting
 //! requests while KV blocks and the step's token budget allow, feeds one token
 //! to every decoding sequence and a chunk of prompt to prefilling ones (chunked
-//! prefill), runs one forward pass over the whole batch, samples, and streams
-//! tokens back. When blocks run out, the youngest running sequence is preempted
+//! prefill), runs the executor over the whole batch (the model's forward
+//! pass, or the simulator's timing model), samples, and streams tokens back. When blocks run out, the youngest running sequence is preempted
 //! and later recomputed. A request whose receiver is dropped is cancelled.
 
 use std::collections::VecDeque;
@@ -59,6 +59,9 @@ enum Command {
         out: tmpsc::UnboundedSender<GenerateEvent>,
     },
     Cancel(u64),
+    /// Answer (last event number, every cached block hash), taken between
+    /// steps, so that it covers exactly the events sent so far.
+    Snapshot(tokio::sync::oneshot::Sender<(u64, Vec<u64>)>),
 }
 
 /// The handle the server holds: submit requests, read the load, follow events.
@@ -67,7 +70,6 @@ pub struct Engine {
     commands: Mutex<mpsc::Sender<Command>>,
     load: Arc<Mutex<Load>>,
     kv_events: broadcast::Sender<NumberedKvEvent>,
-    cached_hashes: Arc<Mutex<(u64, Vec<u64>)>>,
     next_id: AtomicU64,
     pub config: EngineConfig,
     /// The longest sequence (prompt plus output) the executor runs.
@@ -105,7 +107,6 @@ impl Engine {
             ..Load::default()
         }));
         let (kv_events, _) = broadcast::channel(4096);
-        let cached_hashes = Arc::new(Mutex::new((0, Vec::new())));
         let (context, vocab) = (executor.context(), executor.vocab());
         let core = Core {
             pool: BlockPool::new(config.kv_blocks),
@@ -115,7 +116,6 @@ impl Engine {
             commands: rx,
             load: load.clone(),
             kv_events: kv_events.clone(),
-            cached_hashes: cached_hashes.clone(),
             event_seq: 0,
             context,
             vocab,
@@ -131,7 +131,6 @@ impl Engine {
             commands: Mutex::new(tx),
             load,
             kv_events,
-            cached_hashes,
             next_id: AtomicU64::new(1),
             config,
             context,
@@ -180,12 +179,24 @@ impl Engine {
     }
 
     /// (last event sequence number, every cached block hash): a snapshot to
-    /// resync from after a gap.
+    /// resync from after a gap, taken by the engine between two steps (so
+    /// it costs nothing until asked for). `(0, [])` if the engine stopped.
+    pub async fn snapshot(&self) -> (u64, Vec<u64>) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.send_snapshot(tx);
+        rx.await.unwrap_or_default()
+    }
+
+    /// [`Engine::snapshot`] for callers outside an async runtime.
     pub fn cached_snapshot(&self) -> (u64, Vec<u64>) {
-        self.cached_hashes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.send_snapshot(tx);
+        rx.blocking_recv().unwrap_or_default()
+    }
+
+    fn send_snapshot(&self, tx: tokio::sync::oneshot::Sender<(u64, Vec<u64>)>) {
+        let commands = self.commands.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = commands.send(Command::Snapshot(tx));
     }
 }
 
@@ -242,7 +253,6 @@ struct Core {
     commands: mpsc::Receiver<Command>,
     load: Arc<Mutex<Load>>,
     kv_events: broadcast::Sender<NumberedKvEvent>,
-    cached_hashes: Arc<Mutex<(u64, Vec<u64>)>>,
     event_seq: u64,
     context: usize,
     vocab: usize,
@@ -340,6 +350,9 @@ impl Core {
                     out,
                 };
                 self.waiting.push_back(seq);
+            }
+            Command::Snapshot(reply) => {
+                let _ = reply.send((self.event_seq, self.pool.cached_hashes()));
             }
             Command::Cancel(id) => {
                 if let Some(i) = self.running.iter().position(|s| s.id == id) {
@@ -564,17 +577,12 @@ impl Core {
 
     /// Publishes KV events and the load after a step.
     fn publish(&mut self) {
-        let events = self.pool.drain_events();
-        if !events.is_empty() {
-            for event in events {
-                self.event_seq += 1;
-                let _ = self.kv_events.send(NumberedKvEvent {
-                    seq: self.event_seq,
-                    event,
-                });
-            }
-            *self.cached_hashes.lock().unwrap_or_else(|e| e.into_inner()) =
-                (self.event_seq, self.pool.cached_hashes());
+        for event in self.pool.drain_events() {
+            self.event_seq += 1;
+            let _ = self.kv_events.send(NumberedKvEvent {
+                seq: self.event_seq,
+                event,
+            });
         }
         let PoolUsage { used, total, .. } = self.pool.usage();
         let queued: usize = self

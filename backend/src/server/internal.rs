@@ -85,7 +85,7 @@ pub async fn events(
 
 /// `GET /internal/kv`: `{"seq": last event number, "hashes": [...]}`.
 pub async fn kv_snapshot(State(state): State<Arc<WorkerState>>) -> Json<serde_json::Value> {
-    let (seq, hashes) = state.engine.cached_snapshot();
+    let (seq, hashes) = state.engine.snapshot().await;
     Json(json!({"seq": seq, "hashes": hashes, "block_size": state.engine.config.block_size}))
 }
 

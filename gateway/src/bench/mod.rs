@@ -5,7 +5,7 @@
 mod engine;
 mod gateway;
 mod plugins;
-mod routing;
+pub mod routing;
 pub mod upstream;
 
 pub use engine::{EngineBenchOptions, run_engine_bench};

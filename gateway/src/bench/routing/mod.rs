@@ -62,6 +62,8 @@ pub struct RoutingBenchOptions {
     pub window_s: f64,
     /// Where the table, plots and JSON go.
     pub out_dir: PathBuf,
+    /// The `sluice` binary that serves our policies (default: this one).
+    pub sluice: PathBuf,
 }
 
 impl RoutingBenchOptions {
@@ -88,6 +90,7 @@ impl RoutingBenchOptions {
             ],
             window_s: 25.0,
             out_dir: PathBuf::from("target/bench-routing"),
+            sluice: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("sluice")),
         }
     }
 }
@@ -162,7 +165,7 @@ fn start_router(
         );
         let config_path = plugins.join("gateway.toml");
         std::fs::write(&config_path, config)?;
-        let child = Command::new(std::env::current_exe()?)
+        let child = Command::new(&options.sluice)
             .args(["serve", "--config"])
             .arg(&config_path)
             .env("RUST_LOG", "warn")
