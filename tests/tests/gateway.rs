@@ -393,7 +393,21 @@ async fn a_hostile_router_under_load_fails_no_request() {
         .put_plugin("router", "hostile", "mode=loop,trigger=5")
         .await;
     assert_eq!(status, 200, "{body}");
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let started = Instant::now();
+    let stopped = |class: &'static str| {
+        format!(
+            "sluice_plugin_fallbacks_total{{slot=\"router\",plugin=\"hostile\",version=\"3\",class=\"{class}\"}}"
+        )
+    };
+    while cluster.metric(&stopped("timeout")).await + cluster.metric(&stopped("benched")).await
+        < 1.0
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "no spinning call was stopped"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let (ok, failed) = load.finish().await;
     assert_eq!(failed, 0, "{failed} of {} requests failed", ok + failed);
     let plugins = cluster.admin_get("/admin/plugins").await;

@@ -210,11 +210,12 @@ fn solve_normal(rows: &[([f64; 4], f64)], active: &[bool; 4]) -> [f64; 4] {
         if m[k][k].abs() < 1e-300 {
             continue;
         }
-        for r in 0..n {
+        let pivot_row = m[k].clone();
+        for (r, row) in m.iter_mut().enumerate() {
             if r != k {
-                let f = m[r][k] / m[k][k];
-                for c in k..=n {
-                    m[r][c] -= f * m[k][c];
+                let f = row[k] / pivot_row[k];
+                for (value, p) in row[k..].iter_mut().zip(&pivot_row[k..]) {
+                    *value -= f * p;
                 }
             }
         }

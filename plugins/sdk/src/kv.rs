@@ -193,7 +193,10 @@ mod tests {
         ws[2].overlap_blocks = 4;
         ws[2].kv_blocks_used = 4; // same cost as the idle ones
         let fleet: FleetView = ws.into_iter().collect();
-        assert_eq!(cheapest(&request(160), &fleet, CostWeights::DYNAMO), Some(1));
+        assert_eq!(
+            cheapest(&request(160), &fleet, CostWeights::DYNAMO),
+            Some(1)
+        );
         let empty: FleetView = std::iter::empty().collect();
         assert_eq!(cheapest(&request(160), &empty, CostWeights::DYNAMO), None);
     }
