@@ -46,7 +46,7 @@ fn shipped_routers_answer_through_wasm() {
 
 #[test]
 fn kv_aware_in_wasm_agrees_with_the_native_policy() {
-    let router = router_with("kv-aware", "overlap_weight=1.0");
+    let router = router_with("kv-aware", "");
     let native = KvAwareRouter::default();
     for seed in 0..300 {
         let f = fleet(1 + (seed as usize % 70), seed);
