@@ -510,7 +510,7 @@ fn run_one(
         dir,
     ))?;
     runtime.shutdown_timeout(Duration::from_secs(2));
-    let figures = figures(
+    let figures = report::figures(
         &records,
         &counters,
         span,
@@ -520,46 +520,4 @@ fn run_one(
         load,
     );
     Ok((figures, records))
-}
-
-/// Turns records and worker counters into modelled-time figures.
-fn figures(
-    records: &[RequestRecord],
-    counters: &[(u64, u64, u64)],
-    span_s: f64,
-    time_scale: f64,
-    trace: &str,
-    policy: &str,
-    load: f64,
-) -> RunFigures {
-    let ok: Vec<&RequestRecord> = records.iter().filter(|r| r.error.is_none()).collect();
-    let ms = |s: f64| s / time_scale * 1000.0;
-    let mut ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft).map(ms).collect();
-    ttft.sort_by(f64::total_cmp);
-    let mut e2e: Vec<f64> = ok.iter().map(|r| ms(r.e2e)).collect();
-    e2e.sort_by(f64::total_cmp);
-    let modelled_span = span_s / time_scale;
-    let output: u64 = ok.iter().filter_map(|r| r.completion_tokens).sum();
-    let (prompt, cached) = counters
-        .iter()
-        .fold((0u64, 0u64), |(p, c), w| (p + w.1, c + w.2));
-    let per_worker: Vec<f64> = counters.iter().map(|w| w.0 as f64).collect();
-    let mean = per_worker.iter().sum::<f64>() / per_worker.len().max(1) as f64;
-    let max = per_worker.iter().copied().fold(0.0, f64::max);
-    RunFigures {
-        trace: trace.to_string(),
-        policy: policy.to_string(),
-        load,
-        requests: records.len(),
-        errors: records.len() - ok.len(),
-        ttft_p50_ms: percentile(&ttft, 0.5),
-        ttft_p90_ms: percentile(&ttft, 0.9),
-        ttft_p99_ms: percentile(&ttft, 0.99),
-        e2e_p50_ms: percentile(&e2e, 0.5),
-        e2e_p90_ms: percentile(&e2e, 0.9),
-        throughput_rps: ok.len() as f64 / modelled_span.max(f64::MIN_POSITIVE),
-        output_tok_s: output as f64 / modelled_span.max(f64::MIN_POSITIVE),
-        hit_rate: cached as f64 / prompt.max(1) as f64,
-        imbalance: if mean > 0.0 { max / mean } else { 0.0 },
-    }
 }
