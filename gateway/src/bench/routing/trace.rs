@@ -380,4 +380,25 @@ mod tests {
         assert_eq!(t.sessions[1].turns[1].user, "z");
         std::fs::remove_dir_all(&dir).ok();
     }
+
+    #[test]
+    fn mt_bench_questions_become_two_turn_sessions() {
+        let dir = std::env::temp_dir().join(format!("sluice-mtbench-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("question.jsonl");
+        let text = r#"{"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]}
+{"question_id": 82, "category": "math", "turns": ["What is 2+2?", "And 3+3?"]}
+"#;
+        std::fs::write(&path, text).expect("write");
+        let t = mt_bench(&path, 1.0, 1).expect("reads");
+        assert_eq!(t.sessions.len(), 2);
+        assert_eq!(t.sessions[1].turns[1].user, "And 3+3?");
+        assert!(
+            t.sessions
+                .iter()
+                .all(|s| s.turns.len() == 2 && s.system.is_none())
+        );
+        assert!(mt_bench(&dir.join("missing.jsonl"), 1.0, 1).is_err());
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }
