@@ -160,17 +160,8 @@ async fn a_hundred_and_twenty_eight_workers_serve_from_one_process() {
     let f = fleet(128, 1.0).await;
     let distinct: std::collections::HashSet<&String> = f.urls.iter().collect();
     assert_eq!(distinct.len(), 128, "each worker on its own port");
-    let client = reqwest::Client::new();
     for url in &f.urls {
-        let health: Value = client
-            .get(format!("{url}/health"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        assert_eq!(health["status"], "ok", "{url}");
+        assert_eq!(get(url, "/health").await["status"], "ok", "{url}");
     }
     // And each one generates.
     let (status, body) = post(&f.urls[127], "/v1/chat/completions", chat("Hi.", 3)).await;

@@ -66,13 +66,23 @@ impl SimFleet {
         tokenizer: Arc<Tokenizer>,
         options: &SimOptions,
     ) -> std::io::Result<SimFleet> {
+        let words: Arc<[u32]> = word_tokens(&tokenizer).into();
+        Self::start_with_words(tokenizer, words, options).await
+    }
+
+    /// [`SimFleet::start`] with the tokenizer's [`word_tokens`] already
+    /// worked out (a caller starting many fleets works them out once).
+    pub async fn start_with_words(
+        tokenizer: Arc<Tokenizer>,
+        words: Arc<[u32]>,
+        options: &SimOptions,
+    ) -> std::io::Result<SimFleet> {
         if !(options.time_scale > 0.0 && options.time_scale.is_finite()) {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
                 "the time scale must be a positive number",
             ));
         }
-        let words: Arc<[u32]> = word_tokens(&tokenizer).into();
         if words.is_empty() {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,

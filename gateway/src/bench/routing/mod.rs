@@ -258,6 +258,13 @@ async fn wait_router(
     }
 }
 
+/// The tokenizer everything uses and the simulator's word tokens for it,
+/// worked out once per benchmark (every run starts a fleet with them).
+struct Vocabulary {
+    tokenizer: Arc<sluice_backend::model::Tokenizer>,
+    words: Arc<[u32]>,
+}
+
 /// A trace with its plan and capacity.
 struct Prepared {
     trace: Trace,
@@ -308,7 +315,11 @@ pub fn run_routing_bench(
         max_tokens_limit: None,
         simulated: Some(options.profile.name.clone()),
     };
-    let words = word_tokens(&tokenizer);
+    let vocabulary = Vocabulary {
+        words: word_tokens(&tokenizer).into(),
+        tokenizer: tokenizer.clone(),
+    };
+    let words = &vocabulary.words;
     std::fs::create_dir_all(&options.out_dir)?;
     let dir = std::env::temp_dir().join(format!("sluice-bench-routing-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
@@ -323,8 +334,7 @@ pub fn run_routing_bench(
             pool.to_jsonl(),
         )?;
         let started = Instant::now();
-        let plan =
-            Plan::new(&pool, &frontend, &words, options.profile.block_size).map_err(setup)?;
+        let plan = Plan::new(&pool, &frontend, words, options.profile.block_size).map_err(setup)?;
         let prepared = Prepared {
             capacity_rps: plan.capacity_rps(&options.profile, options.workers),
             mean_turns: pool.requests() as f64 / pool.sessions.len().max(1) as f64,
@@ -360,7 +370,7 @@ pub fn run_routing_bench(
             for policy in &options.policies {
                 let (figures, records) = run_one(
                     options,
-                    &tokenizer,
+                    &vocabulary,
                     &trace,
                     policy,
                     load,
@@ -441,7 +451,7 @@ fn summary(
 /// One (trace, load, policy) run on a fresh fleet.
 async fn run_async(
     options: &RoutingBenchOptions,
-    tokenizer: &Arc<sluice_backend::model::Tokenizer>,
+    vocabulary: &Vocabulary,
     trace: &Arc<Trace>,
     policy: &str,
     session_rate: f64,
@@ -452,7 +462,9 @@ async fn run_async(
         model_name: "sim".into(),
         ..SimOptions::new(options.profile.clone(), options.workers)
     };
-    let mut fleet = SimFleet::start(tokenizer.clone(), &sim).await?;
+    let mut fleet =
+        SimFleet::start_with_words(vocabulary.tokenizer.clone(), vocabulary.words.clone(), &sim)
+            .await?;
     let port = free_port()?;
     let url = format!("http://127.0.0.1:{port}");
     let router = start_router(options, policy, &fleet.urls, port, dir)?;
@@ -490,7 +502,7 @@ async fn run_async(
 
 fn run_one(
     options: &RoutingBenchOptions,
-    tokenizer: &Arc<sluice_backend::model::Tokenizer>,
+    vocabulary: &Vocabulary,
     trace: &Arc<Trace>,
     policy: &str,
     load: f64,
@@ -503,7 +515,7 @@ fn run_one(
         .build()?;
     let (records, counters, span) = runtime.block_on(run_async(
         options,
-        tokenizer,
+        vocabulary,
         trace,
         policy,
         session_rate,
