@@ -42,6 +42,9 @@ pub struct Config {
     pub workers: Vec<String>,
     /// In-process workers serving `model` (the single-machine default).
     pub embedded_workers: u32,
+    /// What the in-process workers run on: `auto` (a CUDA GPU when there is
+    /// one, else the CPU), `cpu`, `cuda` or `cuda:N`.
+    pub device: String,
     /// KV block size in tokens; workers must use the same.
     pub block_size: u32,
     /// Folder of `router.wasm`, `admission.wasm`, `cache-policy.wasm` (each
@@ -139,6 +142,7 @@ impl Default for Config {
             context: None,
             workers: Vec::new(),
             embedded_workers: 0,
+            device: "auto".into(),
             block_size: 16,
             plugins_dir: None,
             api_keys: Vec::new(),
@@ -264,6 +268,9 @@ impl Config {
         if self.block_size == 0 {
             return Err(ConfigError::Invalid("block_size must be at least 1".into()));
         }
+        self.device
+            .parse::<sluice_backend::engine::Device>()
+            .map_err(|e| ConfigError::Invalid(format!("device: {e}")))?;
         if let Some(k) = self.api_keys.iter().find(|k| k.tenant == 0) {
             return Err(ConfigError::Invalid(format!(
                 "API key {}…: tenant 0 is reserved for anonymous requests",

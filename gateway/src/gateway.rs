@@ -295,16 +295,19 @@ async fn start_embedded_worker(
     tokenizer: Arc<sluice_backend::model::Tokenizer>,
     name: &str,
 ) -> std::io::Result<String> {
-    use sluice_backend::engine::{Engine, EngineConfig};
+    use sluice_backend::engine::{Device, Engine, EngineConfig};
     use sluice_backend::server::WorkerState;
-    let engine = Engine::start(
+    let device: Device = config.device.parse().map_err(std::io::Error::other)?;
+    let engine = Engine::start_on(
+        device,
         llama,
         tokenizer,
         EngineConfig {
             block_size: config.block_size as usize,
             ..EngineConfig::default()
         },
-    );
+    )
+    .map_err(|e| std::io::Error::other(format!("device {device}: {e}")))?;
     let state = Arc::new(WorkerState::new(Arc::new(engine), name.to_string()));
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
     let url = format!("http://{}", listener.local_addr()?);

@@ -9,11 +9,13 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
+use sluice_backend::engine::Device;
 use sluice_backend::engine::EngineConfig;
 use sluice_backend::server::{WorkerConfig, run_worker};
 use sluice_gateway::bench::{
-    EngineBenchOptions, GatewayBenchOptions, PluginBenchOptions, RoutingBenchOptions, TraceChoice,
-    run_engine_bench, run_gateway_bench, run_plugin_bench, run_routing_bench,
+    CudaEngineBenchOptions, EngineBenchOptions, GatewayBenchOptions, PluginBenchOptions,
+    RoutingBenchOptions, TraceChoice, run_cuda_engine_bench, run_engine_bench, run_gateway_bench,
+    run_plugin_bench, run_routing_bench,
 };
 
 use sluice_backend::model::FETCHED_MODEL as DEFAULT_MODEL;
@@ -55,6 +57,9 @@ enum Command {
         /// Folder of plugin components (`router.wasm`, ...), watched for changes.
         #[arg(long)]
         plugins_dir: Option<PathBuf>,
+        /// What in-process workers run on: auto, cpu, cuda, cuda:N [default: auto]
+        #[arg(long)]
+        device: Option<Device>,
     },
     /// Serve a model: the OpenAI API, the internal token API and the event stream.
     Worker {
@@ -85,6 +90,14 @@ enum Command {
         /// The URL the gateway should reach this worker at.
         #[arg(long)]
         advertise: Option<String>,
+        /// auto (a CUDA GPU when there is one, else the CPU), cpu, cuda, cuda:N
+        #[arg(long, default_value = "auto")]
+        device: Device,
+    },
+    /// The CUDA kernels.
+    Kernels {
+        #[command(subcommand)]
+        which: Kernels,
     },
     /// The simulated engine (no model runs: step times come from a timing
     /// profile), for fleet-scale routing experiments.
@@ -102,6 +115,18 @@ enum Command {
     Bench {
         #[command(subcommand)]
         which: Bench,
+    },
+}
+
+#[derive(Subcommand)]
+enum Kernels {
+    /// Compile every kernel file with NVRTC for each architecture (no GPU
+    /// needed; libnvrtc.so.13 on LD_LIBRARY_PATH). Prints one line per file
+    /// and architecture; exits non-zero if any fails.
+    Compile {
+        /// Architectures, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "sm_90a,sm_100a,sm_103a")]
+        arch: Vec<String>,
     },
 }
 
@@ -182,17 +207,41 @@ enum Kind {
 
 #[derive(Subcommand)]
 enum Bench {
-    /// Decode speed of the CPU engine at batch 1 and 8 (and llama.cpp's).
+    /// Decode speed of the CPU engine at batch 1 and 8 (and llama.cpp's);
+    /// with `--device cuda`, decode and prefill on a GPU against the roofline.
     Engine {
-        /// A GGUF model file [default: as `sluice worker`]
+        /// A GGUF model file [default: as `sluice worker`; with --device cuda
+        /// and no --model, --synthetic-model llama-3.1-8b]
         #[arg(long)]
         model: Option<PathBuf>,
-        /// Tokens generated per request.
+        /// Tokens generated per request (CPU).
         #[arg(long, default_value_t = 64)]
         new_tokens: u32,
-        /// Also run llama.cpp on the same GGUF (needs `pip install llama-cpp-python`).
+        /// Also run llama.cpp on the same GGUF (CPU; needs `pip install llama-cpp-python`).
         #[arg(long)]
         vs_llamacpp: bool,
+        /// cpu, or cuda / cuda:N
+        #[arg(long, default_value = "cpu")]
+        device: Device,
+        /// A Llama shape with generated weights (CUDA): llama-3.1-8b,
+        /// llama-3.2-1b, llama-3.1-70b-tp8
+        #[arg(long)]
+        synthetic_model: Option<String>,
+        /// Decode batch sizes (CUDA).
+        #[arg(long, value_delimiter = ',', default_value = "1,8,64,256")]
+        batches: Vec<usize>,
+        /// Tokens already in each sequence when decode is timed (CUDA).
+        #[arg(long, default_value_t = 1024)]
+        context: usize,
+        /// Timed decode steps per batch size (CUDA).
+        #[arg(long, default_value_t = 32)]
+        steps: usize,
+        /// Prefill prompt lengths (CUDA).
+        #[arg(long, value_delimiter = ',', default_value = "1024,8192")]
+        prompts: Vec<usize>,
+        /// Also run PyTorch + transformers on the same shape (CUDA; this script).
+        #[arg(long)]
+        vs_torch: Option<PathBuf>,
     },
     /// What a gateway adds per request in front of a minimal fast upstream:
     /// direct vs `sluice serve` (kv-aware plugin) vs SGLang's gateway.
@@ -310,8 +359,10 @@ fn run() -> anyhow::Result<()> {
             step_tokens,
             register,
             advertise,
+            device,
         } => {
             let config = WorkerConfig {
+                device,
                 register,
                 advertise,
                 register_token: std::env::var("SLUICE_ADMIN_TOKEN").ok(),
@@ -334,6 +385,7 @@ fn run() -> anyhow::Result<()> {
             workers,
             worker_urls,
             plugins_dir,
+            device,
         } => {
             let mut config = match (serve_config, config) {
                 (Some(c), _) => c,
@@ -347,6 +399,9 @@ fn run() -> anyhow::Result<()> {
             config.workers.extend(worker_urls);
             if let Some(dir) = plugins_dir {
                 config.plugins_dir = Some(dir);
+            }
+            if let Some(device) = device {
+                config.device = device.to_string();
             }
             match workers {
                 Some(n) => config.embedded_workers = n,
@@ -376,6 +431,9 @@ fn run() -> anyhow::Result<()> {
             })?;
         }
         Command::Sim { which } => run_sim(which)?,
+        Command::Kernels {
+            which: Kernels::Compile { arch },
+        } => compile_kernels(&arch)?,
         Command::Plugins {
             which:
                 Plugins::Replay {
@@ -396,8 +454,41 @@ fn run() -> anyhow::Result<()> {
             which:
                 Bench::Engine {
                     model,
+                    device: Device::Cuda(ordinal),
+                    synthetic_model,
+                    batches,
+                    context,
+                    steps,
+                    prompts,
+                    vs_torch,
+                    ..
+                },
+        } => {
+            let synthetic = match (&model, synthetic_model) {
+                (None, None) => Some("llama-3.1-8b".to_string()),
+                (_, s) => s,
+            };
+            let options = CudaEngineBenchOptions {
+                model,
+                synthetic,
+                ordinal,
+                batches,
+                context,
+                steps,
+                prompts,
+                torch_script: vs_torch,
+            };
+            let summary = run_cuda_engine_bench(&options, |line| println!("{line}"))
+                .context("sluice bench engine --device cuda")?;
+            println!("{summary}");
+        }
+        Command::Bench {
+            which:
+                Bench::Engine {
+                    model,
                     new_tokens,
                     vs_llamacpp,
+                    ..
                 },
         } => {
             let options = EngineBenchOptions {
@@ -667,5 +758,34 @@ fn check<K: PluginKind>(file: &Path, config: &str) -> anyhow::Result<()> {
             "validate_ms": timings.validate.as_secs_f64() * 1e3,
         })
     );
+    Ok(())
+}
+
+/// `sluice kernels compile`: every kernel file for every architecture asked for.
+fn compile_kernels(archs: &[String]) -> anyhow::Result<()> {
+    use sluice_backend::compute::cuda::nvrtc::{KERNEL_FILES, compile, nvrtc_version};
+    let (major, minor) = nvrtc_version()?;
+    println!("NVRTC {major}.{minor}");
+    let mut failed = 0;
+    for file in KERNEL_FILES {
+        for arch in archs {
+            let started = std::time::Instant::now();
+            match compile(file, arch) {
+                Ok(cubin) => println!(
+                    "ok    {:<14} {arch:<8} {:>7} bytes  {:>5} ms",
+                    file.name,
+                    cubin.len(),
+                    started.elapsed().as_millis()
+                ),
+                Err(e) => {
+                    failed += 1;
+                    println!("FAIL  {:<14} {arch:<8}\n{e}", file.name);
+                }
+            }
+        }
+    }
+    if failed > 0 {
+        anyhow::bail!("{failed} kernel compilations failed");
+    }
     Ok(())
 }

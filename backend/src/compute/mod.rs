@@ -2,3 +2,4 @@
 //! enough to check other backends against.
 
 pub mod cpu;
+pub mod cuda;

@@ -1,15 +1,18 @@
 //! The engine: continuous batching with chunked prefill and preemption
 //! (`core`) over an `executor` (the model's forward pass, or a timing model),
 //! token sampling (`sampling`), incremental detokenization with stop strings
-//! (`detok`), and the request/event types (`types`).
+//! (`detok`), the request/event types (`types`), and which device runs it
+//! (`device`).
 
 mod core;
 mod detok;
+mod device;
 mod executor;
 pub mod sampling;
 mod types;
 
 pub use core::{Engine, EngineConfig, NumberedKvEvent};
+pub use device::Device;
 pub use executor::{Executor, ModelExecutor, Next};
 pub use sampling::{Sampled, Sampler, SamplingParams};
 pub use types::{FinishReason, GenerateEvent, GenerateRequest, Load, TokenOut, Usage};

@@ -54,6 +54,12 @@ impl LlamaConfig {
         Ok(config)
     }
 
+    /// Size of one token's Q across query heads (the hidden size, except in a
+    /// tensor-parallel slice).
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
     /// Size of one token's K (or V) across KV heads.
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
@@ -69,15 +75,44 @@ impl LlamaConfig {
                 self.n_heads, self.n_kv_heads
             ));
         }
-        if !self.head_dim.is_multiple_of(2) || self.n_heads * self.head_dim != self.hidden {
-            return Err(format!(
-                "{} heads of {} do not make a hidden size of {}",
-                self.n_heads, self.head_dim, self.hidden
-            ));
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+            return Err(format!("a head size of {} is not even", self.head_dim));
         }
         if [self.n_layers, self.ffn, self.vocab, self.context].contains(&0) {
             return Err("a dimension is 0".into());
         }
         Ok(())
     }
+
+    /// Llama shapes by name, for generated weights (`--synthetic-model`): real
+    /// 8B or 70B weights cannot be fetched here, their shapes can be run.
+    /// `llama-3.1-70b-tp8` is one GPU's slice of 70B under 8-way tensor
+    /// parallelism (8 query heads, 1 KV head, an eighth of the FFN, all 80 layers).
+    pub fn preset(name: &str) -> Option<LlamaConfig> {
+        let llama3 = |n_layers, hidden, ffn, n_heads, n_kv_heads, head_dim| LlamaConfig {
+            n_layers,
+            hidden,
+            ffn,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            vocab: 128_256,
+            context: 131_072,
+            rope_theta: 500_000.0,
+            rms_eps: 1e-5,
+        };
+        Some(match name {
+            "llama-3.1-8b" => llama3(32, 4096, 14_336, 32, 8, 128),
+            "llama-3.2-1b" => llama3(16, 2048, 8192, 32, 8, 64),
+            "llama-3.1-70b-tp8" => LlamaConfig {
+                vocab: 128_256 / 8,
+                ..llama3(80, 8192, 28_672 / 8, 8, 1, 128)
+            },
+            _ => return None,
+        })
+    }
+
+    /// The names `preset` knows.
+    pub const PRESETS: &'static [&'static str] =
+        &["llama-3.1-8b", "llama-3.2-1b", "llama-3.1-70b-tp8"];
 }

@@ -10,18 +10,19 @@ use super::gguf::{Gguf, GgufError, TensorType};
 use crate::compute::cpu::{Matrix, Weight, dot, rms_norm, rope, rope_table, silu, softmax};
 use crate::kv::KvStorage;
 
-/// The weights of one transformer block.
+/// The weights of one transformer block (Q and K rows in adjacent-pair RoPE
+/// order).
 #[derive(Debug)]
-struct Layer {
-    attn_norm: Vec<f32>,
-    wq: Weight,
-    wk: Weight,
-    wv: Weight,
-    wo: Weight,
-    ffn_norm: Vec<f32>,
-    w_gate: Weight,
-    w_up: Weight,
-    w_down: Weight,
+pub(crate) struct Layer {
+    pub(crate) attn_norm: Vec<f32>,
+    pub(crate) wq: Weight,
+    pub(crate) wk: Weight,
+    pub(crate) wv: Weight,
+    pub(crate) wo: Weight,
+    pub(crate) ffn_norm: Vec<f32>,
+    pub(crate) w_gate: Weight,
+    pub(crate) w_up: Weight,
+    pub(crate) w_down: Weight,
 }
 
 /// A loaded model, weights in f32.
@@ -208,6 +209,12 @@ impl Llama {
         naming: Naming,
     ) -> Result<Llama, String> {
         c.check()?;
+        if c.q_dim() != c.hidden {
+            return Err(format!(
+                "{} heads of {} do not make a hidden size of {}",
+                c.n_heads, c.head_dim, c.hidden
+            ));
+        }
         let (h, kv) = (c.hidden, c.kv_dim());
         // Hugging Face Q and K (never quantized here) are reordered for RoPE.
         let qk = |name: &str, rows: usize| -> Result<Weight, String> {
@@ -246,6 +253,12 @@ impl Llama {
             lm_head,
             config: c,
         })
+    }
+
+    /// The weights, for another backend to copy: (embedding, layers, final
+    /// norm, output head; `None` when tied to the embedding).
+    pub(crate) fn parts(&self) -> (&Weight, &[Layer], &[f32], Option<&Weight>) {
+        (&self.embed, &self.layers, &self.norm, self.lm_head.as_ref())
     }
 
     /// Runs the chunks, writing their K and V into `kv`, and returns each chunk's

@@ -143,6 +143,8 @@ pub struct WorkerConfig {
     pub addr: SocketAddr,
     pub served_name: Option<String>,
     pub engine: crate::engine::EngineConfig,
+    /// CPU or CUDA (`auto`: a GPU when there is one).
+    pub device: crate::engine::Device,
     /// A gateway to register with (its base URL), again every few seconds.
     pub register: Option<String>,
     /// The URL the gateway should use for this worker; default
@@ -159,6 +161,11 @@ pub enum WorkerError {
     Model {
         path: String,
         source: crate::model::LoadError,
+    },
+    #[error("cannot start the engine on {device}")]
+    Device {
+        device: crate::engine::Device,
+        source: crate::compute::cuda::GpuError,
     },
     #[error("cannot listen on {addr}")]
     Listen {
@@ -183,11 +190,16 @@ pub async fn run_worker(config: WorkerConfig) -> Result<(), WorkerError> {
         "model loaded"
     );
     let name = config.served_name.clone().unwrap_or(loaded.name);
-    let engine = Engine::start(
+    let engine = Engine::start_on(
+        config.device,
         Arc::new(loaded.llama),
         Arc::new(loaded.tokenizer),
         config.engine,
-    );
+    )
+    .map_err(|source| WorkerError::Device {
+        device: config.device,
+        source,
+    })?;
     let state = Arc::new(WorkerState::new(Arc::new(engine), name));
     let listener = tokio::net::TcpListener::bind(config.addr)
         .await

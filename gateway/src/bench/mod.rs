@@ -3,12 +3,14 @@
 //! the machine and the date; nothing here asserts a timing.
 
 mod engine;
+mod engine_cuda;
 mod gateway;
 mod plugins;
 pub mod routing;
 pub mod upstream;
 
 pub use engine::{EngineBenchOptions, run_engine_bench};
+pub use engine_cuda::{CudaEngineBenchOptions, run_cuda_engine_bench};
 pub use gateway::{GatewayBenchOptions, run_gateway_bench};
 pub use plugins::{PluginBenchOptions, run_plugin_bench};
 pub use routing::{RoutingBenchOptions, TraceChoice, run_routing_bench};

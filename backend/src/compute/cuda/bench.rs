@@ -1,0 +1,212 @@
+//! Measurements of the CUDA forward pass (`sluice bench engine --device
+//! cuda`): decode steps at a fixed batch and context, and whole-prompt
+//! prefill, each next to its roofline on the measured H200 ceilings
+//! (../shared/GPU.md). Times are wall-clock per step, the step including its
+//! host work and the copy of the sampled tokens back (what the engine pays).
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::device::GpuError;
+use super::executor::CudaExecutor;
+use super::model::StepOutput;
+use crate::model::{Logits, SeqChunk};
+
+/// Device-to-device copy bandwidth measured on H200 (bytes/s).
+pub const HBM_BYTES_PER_S: f64 = 4.25e12;
+/// Dense BF16 GEMM rate measured on H200 (FLOP/s).
+pub const BF16_FLOPS: f64 = 790e12;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct DecodeFigure {
+    pub batch: usize,
+    pub context: usize,
+    pub steps: usize,
+    pub step_ms_median: f64,
+    pub tokens_per_s: f64,
+    /// Weights plus every sequence's KV read once per step, at HBM speed (or
+    /// the GEMM FLOPs at the BF16 rate, if longer).
+    pub roofline_tokens_per_s: f64,
+    pub percent_of_roofline: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct PrefillFigure {
+    pub prompt: usize,
+    pub ms_median: f64,
+    pub tokens_per_s: f64,
+    /// GEMM and attention FLOPs at the BF16 rate (or the weights at HBM
+    /// speed, if longer).
+    pub roofline_tokens_per_s: f64,
+    pub percent_of_roofline: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// FLOPs of the matrix products for one token (2 per weight, head included).
+fn gemm_flops_per_token(ex: &CudaExecutor) -> f64 {
+    ex.model.weight_bytes() as f64 // 2 bytes per weight, 2 FLOPs per weight
+}
+
+/// Block table of sequence `seq` when each takes `pages` pages in order.
+fn table(seq: usize, pages: usize) -> Vec<u32> {
+    (seq * pages..(seq + 1) * pages).map(|p| p as u32).collect()
+}
+
+/// Fills `batch` sequences with `context` tokens each (prefill in steps of at
+/// most `step_tokens`), so that decode can start at position `context`.
+fn prefill_sequences(
+    ex: &mut CudaExecutor,
+    batch: usize,
+    context: usize,
+    pages: usize,
+    step_tokens: usize,
+) -> Result<(), GpuError> {
+    let vocab = ex.model.config.vocab as u32;
+    let tables: Vec<Vec<u32>> = (0..batch).map(|s| table(s, pages)).collect();
+    let prompts: Vec<Vec<u32>> = (0..batch)
+        .map(|s| {
+            (0..context)
+                .map(|i| ((s * 7919 + i * 31) as u32) % vocab)
+                .collect()
+        })
+        .collect();
+    let mut at = vec![0usize; batch];
+    while at.iter().any(|&a| a < context) {
+        let mut budget = step_tokens;
+        let mut chunks = Vec::new();
+        for s in 0..batch {
+            if at[s] >= context || budget == 0 {
+                continue;
+            }
+            let n = budget.min(context - at[s]);
+            chunks.push(SeqChunk {
+                tokens: &prompts[s][at[s]..at[s] + n],
+                start: at[s],
+                block_table: &tables[s],
+                logits: Logits::None,
+            });
+            at[s] += n;
+            budget -= n;
+        }
+        ex.step(&chunks, StepOutput::Argmax)?;
+    }
+    Ok(())
+}
+
+/// Decode at `batch` sequences of `context` tokens: `steps` timed steps after
+/// `warmup`, each step one token per sequence, greedy on the GPU.
+pub fn decode(
+    ex: &mut CudaExecutor,
+    batch: usize,
+    context: usize,
+    steps: usize,
+    warmup: usize,
+) -> Result<DecodeFigure, GpuError> {
+    let bs = ex.kv.block_size;
+    let pages = (context + steps + warmup + 1).div_ceil(bs);
+    if batch * pages > ex.kv.n_blocks {
+        return Err(GpuError::Other(format!(
+            "batch {batch} at context {context} needs {} KV pages, the cache has {}",
+            batch * pages,
+            ex.kv.n_blocks
+        )));
+    }
+    prefill_sequences(ex, batch, context, pages, 8192)?;
+    let tables: Vec<Vec<u32>> = (0..batch).map(|s| table(s, pages)).collect();
+    let mut last: Vec<u32> = vec![1; batch];
+    let mut times = Vec::with_capacity(steps);
+    for step in 0..warmup + steps {
+        let pos = context + step;
+        let tokens: Vec<[u32; 1]> = last.iter().map(|&t| [t]).collect();
+        let chunks: Vec<SeqChunk<'_>> = (0..batch)
+            .map(|s| SeqChunk {
+                tokens: &tokens[s],
+                start: pos,
+                block_table: &tables[s],
+                logits: Logits::Last,
+            })
+            .collect();
+        let started = Instant::now();
+        let out = ex.step(&chunks, StepOutput::Argmax)?;
+        let elapsed = started.elapsed().as_secs_f64();
+        if step >= warmup {
+            times.push(elapsed);
+        }
+        for (s, r) in out.into_iter().enumerate() {
+            if let super::model::ChunkResult::Tokens(t) = r {
+                last[s] = t.first().copied().unwrap_or(1);
+            }
+        }
+    }
+    let step_s = median(times);
+    let mid_context = context + warmup + steps / 2;
+    let bytes =
+        ex.model.weight_bytes() as f64 + (batch * mid_context * ex.kv.bytes_per_token()) as f64;
+    let flops = gemm_flops_per_token(ex) * batch as f64;
+    let roof_s = (bytes / HBM_BYTES_PER_S).max(flops / BF16_FLOPS);
+    let tokens_per_s = batch as f64 / step_s;
+    let roofline = batch as f64 / roof_s;
+    Ok(DecodeFigure {
+        batch,
+        context,
+        steps,
+        step_ms_median: step_s * 1e3,
+        tokens_per_s,
+        roofline_tokens_per_s: roofline,
+        percent_of_roofline: 100.0 * tokens_per_s / roofline,
+    })
+}
+
+/// One sequence's whole prompt of `prompt` tokens in one step, `repeats` times
+/// (into the same pages), after one warm-up.
+pub fn prefill(
+    ex: &mut CudaExecutor,
+    prompt: usize,
+    repeats: usize,
+) -> Result<PrefillFigure, GpuError> {
+    let bs = ex.kv.block_size;
+    let pages = prompt.div_ceil(bs);
+    if pages > ex.kv.n_blocks {
+        return Err(GpuError::Other(format!(
+            "a prompt of {prompt} needs {pages} KV pages, the cache has {}",
+            ex.kv.n_blocks
+        )));
+    }
+    let vocab = ex.model.config.vocab as u32;
+    let tokens: Vec<u32> = (0..prompt).map(|i| ((i * 31 + 7) as u32) % vocab).collect();
+    let t = table(0, pages);
+    let chunk = [SeqChunk {
+        tokens: &tokens,
+        start: 0,
+        block_table: &t,
+        logits: Logits::Last,
+    }];
+    let mut times = Vec::new();
+    for i in 0..=repeats {
+        let started = Instant::now();
+        ex.step(&chunk, StepOutput::Argmax)?;
+        if i > 0 {
+            times.push(started.elapsed().as_secs_f64());
+        }
+    }
+    let s = median(times);
+    let c = &ex.model.config;
+    // Causal attention: QK^T and PV, 2 FLOPs per multiply-add, half the square.
+    let attention = 4.0 * (prompt as f64).powi(2) / 2.0 * (c.q_dim() * c.n_layers) as f64;
+    let flops = gemm_flops_per_token(ex) * prompt as f64 + attention;
+    let roof_s = (flops / BF16_FLOPS).max(ex.model.weight_bytes() as f64 / HBM_BYTES_PER_S);
+    let tokens_per_s = prompt as f64 / s;
+    let roofline = prompt as f64 / roof_s;
+    Ok(PrefillFigure {
+        prompt,
+        ms_median: s * 1e3,
+        tokens_per_s,
+        roofline_tokens_per_s: roofline,
+        percent_of_roofline: 100.0 * tokens_per_s / roofline,
+    })
+}

@@ -1,0 +1,340 @@
+//! One GPU as the engine uses it: the context and its one stream, every kernel
+//! loaded (compiled for this device's architecture, or taken from the cache),
+//! cuBLAS for the BF16 GEMMs, and small helpers for launches and copies.
+//!
+//! Device buffers are `CudaSlice`s owned by whoever allocated them; launches
+//! take raw device addresses (`DevPtr`), so that sub-ranges (a layer of the KV
+//! cache, one part of a fused weight) need no borrows. Event tracking is off:
+//! everything runs on the one stream, in order.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::cublas::{CudaBlas, sys as blas};
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError,
+    LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+
+use super::nvrtc::{self, CompileError, KERNEL_FILES};
+
+/// A device address (what a kernel's pointer parameter receives).
+pub type DevPtr = u64;
+
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error("no CUDA driver (libcuda) on this machine")]
+    NoDriver,
+    #[error("CUDA: {0}")]
+    Driver(#[from] DriverError),
+    #[error("cuBLAS: {0:?}")]
+    Blas(cudarc::cublas::result::CublasError),
+    #[error(transparent)]
+    Compile(#[from] CompileError),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// True when the CUDA driver library can be loaded and sees at least one GPU.
+pub fn cuda_available() -> bool {
+    // SAFETY: only tries to open the library.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return false;
+    }
+    CudaContext::device_count().is_ok_and(|n| n > 0)
+}
+
+/// The architecture NVRTC compiles for on a device of compute capability
+/// `major.minor`: the arch-specific target (`sm_90a`) where there is one.
+pub fn arch_for(major: i32, minor: i32) -> String {
+    match (major, minor) {
+        (9, 0) | (10, 0) | (10, 3) | (12, 0) => format!("sm_{major}{minor}a"),
+        _ => format!("sm_{major}{minor}"),
+    }
+}
+
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    /// e.g. "NVIDIA H200".
+    pub name: String,
+    /// What the kernels were compiled for, e.g. "sm_90a".
+    pub arch: String,
+    pub sm_count: u32,
+    blas: CudaBlas,
+    functions: HashMap<String, CudaFunction>,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu")
+            .field("name", &self.name)
+            .field("arch", &self.arch)
+            .field("sm_count", &self.sm_count)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Gpu {
+    /// Opens GPU `ordinal` and loads every kernel.
+    pub fn open(ordinal: usize) -> Result<Arc<Gpu>, GpuError> {
+        if !cuda_available() {
+            return Err(GpuError::NoDriver);
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        // SAFETY: one stream does all the work, in order; no cross-stream
+        // hazards for the events to guard.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let (major, minor) = ctx.compute_capability()?;
+        let arch = arch_for(major, minor);
+        let sm_count = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )? as u32;
+        let mut functions = HashMap::new();
+        for file in KERNEL_FILES {
+            let started = std::time::Instant::now();
+            let cubin = nvrtc::compile_cached(file, &arch)?;
+            let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
+            for name in kernel_names(file.source) {
+                let f = module.load_function(&name)?;
+                functions.insert(name, f);
+            }
+            tracing::debug!(file = file.name, %arch, ms = started.elapsed().as_millis() as u64, "kernels loaded");
+        }
+        let blas = CudaBlas::new(stream.clone()).map_err(GpuError::Blas)?;
+        Ok(Arc::new(Gpu {
+            name: ctx.name()?,
+            ctx,
+            stream,
+            arch,
+            sm_count,
+            blas,
+            functions,
+        }))
+    }
+
+    /// A loaded kernel; panics on a name no kernel file defines (a bug here).
+    pub fn function(&self, name: &str) -> &CudaFunction {
+        self.functions
+            .get(name)
+            .unwrap_or_else(|| panic!("no kernel named {name}"))
+    }
+
+    /// Lets `name` use `bytes` of dynamic shared memory (above the 48 KiB default).
+    pub fn allow_shared_memory(&self, name: &str, bytes: u32) -> Result<(), GpuError> {
+        self.function(name).set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )?;
+        Ok(())
+    }
+
+    /// Makes this GPU's context current on the calling thread.
+    pub fn bind(&self) -> Result<(), GpuError> {
+        Ok(self.ctx.bind_to_thread()?)
+    }
+
+    pub fn alloc<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<CudaSlice<T>, GpuError> {
+        Ok(self.stream.alloc_zeros::<T>(len.max(1))?)
+    }
+
+    pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>, GpuError> {
+        if data.is_empty() {
+            // SAFETY: a one-element allocation nobody reads.
+            return Ok(unsafe { self.stream.alloc::<T>(1)? });
+        }
+        Ok(self.stream.clone_htod(data)?)
+    }
+
+    /// Copies `data` to the start of `dst`.
+    pub fn upload_into<T: DeviceRepr>(
+        &self,
+        data: &[T],
+        dst: &mut CudaSlice<T>,
+    ) -> Result<(), GpuError> {
+        if !data.is_empty() {
+            self.stream
+                .memcpy_htod(data, &mut dst.slice_mut(..data.len()))?;
+        }
+        Ok(())
+    }
+
+    /// The first `len` elements of `src`, on the host (waits for the stream).
+    pub fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        src: &CudaSlice<T>,
+        len: usize,
+    ) -> Result<Vec<T>, GpuError> {
+        let mut out = vec![T::default(); len];
+        if len > 0 {
+            self.stream.memcpy_dtoh(&src.slice(..len), &mut out)?;
+        }
+        self.stream.synchronize()?;
+        Ok(out)
+    }
+
+    pub fn synchronize(&self) -> Result<(), GpuError> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    /// Launches kernel `name` with `args` (each pushed by reference).
+    pub fn launch(
+        &self,
+        name: &str,
+        config: LaunchConfig,
+        args: &[&dyn KernelArg],
+    ) -> Result<(), GpuError> {
+        let f = self.function(name);
+        let mut builder = self.stream.launch_builder(f);
+        for a in args {
+            a.push(&mut builder);
+        }
+        // SAFETY: the kernel's parameters are, in order, the types pushed;
+        // every pointer is a live device buffer of the size the kernel reads
+        // (each call site says why).
+        unsafe { builder.launch(config) }?;
+        Ok(())
+    }
+
+    /// `y[n, rows] = x[n, cols] . w[rows, cols]^T + beta * y`: BF16 weights
+    /// and activations (row-major), f32 output and accumulation.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_bf16(
+        &self,
+        w: DevPtr,
+        x: DevPtr,
+        y: DevPtr,
+        n: usize,
+        rows: usize,
+        cols: usize,
+        beta: f32,
+    ) -> Result<(), GpuError> {
+        let alpha = 1.0f32;
+        // Column-major view: y^T[rows, n] = w[cols, rows]^T . x^T[cols, n].
+        // SAFETY: w holds rows x cols bf16, x n x cols bf16, y n x rows f32.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                blas::cublasOperation_t::CUBLAS_OP_T,
+                blas::cublasOperation_t::CUBLAS_OP_N,
+                rows as i32,
+                n as i32,
+                cols as i32,
+                (&alpha as *const f32).cast::<c_void>(),
+                w as *const c_void,
+                blas::cudaDataType::CUDA_R_16BF,
+                cols as i32,
+                x as *const c_void,
+                blas::cudaDataType::CUDA_R_16BF,
+                cols as i32,
+                (&beta as *const f32).cast::<c_void>(),
+                y as *mut c_void,
+                blas::cudaDataType::CUDA_R_32F,
+                rows as i32,
+                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(GpuError::Blas)
+    }
+
+    /// The device address of `s`, `offset` elements in.
+    pub fn ptr<T>(&self, s: &CudaSlice<T>, offset: usize) -> DevPtr {
+        let (p, _guard) = s.device_ptr(&self.stream);
+        p + (offset * std::mem::size_of::<T>()) as u64
+    }
+}
+
+/// A value a kernel takes: pushed onto a launch by reference.
+pub trait KernelArg {
+    fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>);
+}
+
+macro_rules! kernel_arg {
+    ($($t:ty),*) => {$(
+        impl KernelArg for $t {
+            fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) {
+                builder.arg(self);
+            }
+        }
+    )*};
+}
+kernel_arg!(u64, i32, u32, f32);
+
+/// Grid of `blocks` blocks of `threads`, with `shared` bytes of dynamic shared memory.
+pub fn grid(blocks: (u32, u32, u32), threads: u32, shared: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: blocks,
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: shared,
+    }
+}
+
+/// A grid-stride launch over `n` elements.
+pub fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 65_535) as u32;
+    grid((blocks, 1, 1), 256, 0)
+}
+
+/// The names of the `extern "C" __global__` functions in a kernel source.
+pub fn kernel_names(source: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    for part in source.split("extern \"C\" __global__").skip(1) {
+        // `void [__launch_bounds__(n)] name(`
+        let head = part.split('(').collect::<Vec<_>>();
+        let before_paren = if part.trim_start().starts_with("void __launch_bounds__") {
+            head.get(1).copied()
+        } else {
+            head.first().copied()
+        };
+        if let Some(name) = before_paren.and_then(|s| s.split_whitespace().last()) {
+            let name = name.trim_start_matches(')');
+            names.push(name.to_string());
+        }
+    }
+    names
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_every_kernel_name() {
+        let names = kernel_names(include_str!("kernels/attention.cu"));
+        assert_eq!(
+            names,
+            [
+                "attention_decode_hd64",
+                "attention_decode_hd128",
+                "attention_prefill_hd64",
+                "attention_prefill_hd128",
+                "attention_combine"
+            ]
+        );
+        let names = kernel_names(include_str!("kernels/layers.cu"));
+        assert_eq!(
+            names,
+            [
+                "embed_rows",
+                "rms_norm",
+                "rope_store_kv",
+                "silu_mul",
+                "argmax_rows"
+            ]
+        );
+    }
+
+    #[test]
+    fn arch_names() {
+        assert_eq!(arch_for(9, 0), "sm_90a");
+        assert_eq!(arch_for(10, 3), "sm_103a");
+        assert_eq!(arch_for(8, 9), "sm_89");
+    }
+}

@@ -1,0 +1,202 @@
+// Causal attention over the paged KV cache (bf16), flash style: K and V are
+// read tile by tile into shared memory, with an online softmax, so each key is
+// read once per block.
+//
+// A work item is a run of query tokens of one sequence: {seq, q_row, n_q, q_pos}
+// (query tokens q_row .. q_row + n_q - 1 of the batch, at positions q_pos ..).
+// Query token i sees keys 0 ..= q_pos + i of its sequence, which live in pages
+// tables[seq * max_blocks + key / block_size], slot key % block_size.
+//
+// Grid: (item, KV head, split). A block takes the query heads that share its KV
+// head (GQA) for every query token of its item: R = n_q * group rows, at most
+// MAXR. Decode launches (one query token per item) split the keys across blocks
+// (flash-decoding) and `attention_combine` merges the splits; prefill launches
+// use items of several query tokens and one split.
+//
+// Scores are computed on CUDA cores in f32; tensor-core tiles are the next step
+// (BENCHMARKS.md says what this costs in prefill).
+
+template <int HD, int MAXR, int NT, int KT>
+__device__ __forceinline__ void attention_tile_loop(
+    const bf16* __restrict__ q, const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+    const int* __restrict__ tables, int max_blocks, int block_size, const int* __restrict__ items,
+    int n_heads, int n_kv_heads, float scale, int n_splits, int keys_per_split,
+    bf16* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* qs = (float*)smem_raw;                 // MAXR x HD, pre-scaled
+    float* ps = qs + MAXR * HD;                   // MAXR x KT scores, then probabilities
+    float* row_m = ps + MAXR * KT;                // running max
+    float* row_l = row_m + MAXR;                  // running sum
+    float* row_scale = row_l + MAXR;              // this tile's rescale of the accumulators
+    bf16* ks = (bf16*)(row_scale + MAXR);         // KT x (HD + 2): padded, conflict-free rows
+    bf16* vs = ks + KT * (HD + 2);                // KT x HD
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int* item = items + 4 * blockIdx.x;
+    const int seq = item[0], q_row = item[1], n_q = item[2], q_pos = item[3];
+    const int kvh = blockIdx.y, split = blockIdx.z;
+    const int group = n_heads / n_kv_heads;
+    const int rows = n_q * group;
+    const int q_dim = n_heads * HD, kv_dim = n_kv_heads * HD;
+    const int kv_len = q_pos + n_q;
+    const int k_begin = split * keys_per_split;
+    const int k_end = min(kv_len, k_begin + keys_per_split);
+    const int* table = tables + (u64)seq * max_blocks;
+
+    for (int i = tid; i < rows * HD; i += NT) {
+        const int r = i / HD, d = i % HD;
+        const int head = kvh * group + r % group;
+        qs[i] = bf16_to_f32(q[(u64)(q_row + r / group) * q_dim + head * HD + d]) * scale;
+    }
+    for (int r = tid; r < MAXR; r += NT) {
+        row_m[r] = NEG_INF;
+        row_l[r] = 0.0f;
+    }
+    constexpr int PER_THREAD = MAXR * HD / NT;
+    float acc[PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; j++) acc[j] = 0.0f;
+    __syncthreads();
+
+    for (int k0 = k_begin; k0 < k_end; k0 += KT) {
+        // K and V of keys k0 .. k0 + KT, 16 bytes per load.
+        constexpr int CHUNKS = HD / 8;
+        for (int c = tid; c < KT * CHUNKS; c += NT) {
+            const int kk = c / CHUNKS, part = c % CHUNKS, key = k0 + kk;
+            uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
+            if (key < k_end) {
+                const u64 slot = (u64)table[key / block_size] * block_size + key % block_size;
+                const u64 at = slot * kv_dim + kvh * HD;
+                kv4 = ((const uint4*)(k_cache + at))[part];
+                vv4 = ((const uint4*)(v_cache + at))[part];
+            }
+            u32* kd = (u32*)(ks + kk * (HD + 2)) + part * 4;
+            kd[0] = kv4.x; kd[1] = kv4.y; kd[2] = kv4.z; kd[3] = kv4.w;
+            ((uint4*)(vs + kk * HD))[part] = vv4;
+        }
+        __syncthreads();
+
+        for (int i = tid; i < rows * KT; i += NT) {
+            const int r = i / KT, kk = i % KT, key = k0 + kk;
+            float s = NEG_INF;
+            if (key < k_end && key <= q_pos + r / group) {
+                const float* qr = qs + r * HD;
+                const u32* kr = (const u32*)(ks + kk * (HD + 2));
+                float a = 0.0f;
+#pragma unroll 8
+                for (int w = 0; w < HD / 2; w++) {
+                    const u32 kw = kr[w];
+                    a = fmaf(qr[2 * w], bf16_lo(kw), a);
+                    a = fmaf(qr[2 * w + 1], bf16_hi(kw), a);
+                }
+                s = a;
+            }
+            ps[i] = s;
+        }
+        __syncthreads();
+
+        for (int r = warp; r < rows; r += NT / 32) {
+            float* pr = ps + r * KT;
+            float mx = NEG_INF;
+            for (int kk = lane; kk < KT; kk += 32) mx = fmaxf(mx, pr[kk]);
+            mx = warp_max(mx);
+            const float m_old = row_m[r], m_new = fmaxf(m_old, mx);
+            float sum = 0.0f;
+            for (int kk = lane; kk < KT; kk += 32) {
+                const float s = pr[kk];
+                const float p = s == NEG_INF ? 0.0f : expf(s - m_new);
+                pr[kk] = p;
+                sum += p;
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) {
+                const float rescale = m_old == NEG_INF ? 0.0f : expf(m_old - m_new);
+                row_scale[r] = rescale;
+                row_l[r] = row_l[r] * rescale + sum;
+                row_m[r] = m_new;
+            }
+        }
+        __syncthreads();
+
+#pragma unroll
+        for (int j = 0; j < PER_THREAD; j++) {
+            const int o = tid + j * NT, r = o / HD, d = o % HD;
+            if (r < rows) {
+                const float* pr = ps + r * KT;
+                float a = acc[j] * row_scale[r];
+                for (int kk = 0; kk < KT; kk++) a = fmaf(pr[kk], bf16_to_f32(vs[kk * HD + d]), a);
+                acc[j] = a;
+            }
+        }
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; j++) {
+        const int o = tid + j * NT, r = o / HD, d = o % HD;
+        if (r < rows) {
+            const u64 token = q_row + r / group;
+            const int head = kvh * group + r % group;
+            if (n_splits == 1) {
+                const float l = row_l[r];
+                out[token * q_dim + head * HD + d] = f32_to_bf16(l > 0.0f ? acc[j] / l : 0.0f);
+            } else {
+                const u64 at = (token * n_heads + head) * n_splits + split;
+                part_acc[at * HD + d] = acc[j];
+                if (d == 0) {
+                    part_ml[2 * at] = row_m[r];
+                    part_ml[2 * at + 1] = row_l[r];
+                }
+            }
+        }
+    }
+}
+
+// Shared memory of one block, in bytes (the host computes the same).
+#define ATTN_SMEM(HD, MAXR, KT) ((MAXR) * (HD) * 4 + (MAXR) * (KT) * 4 + 3 * (MAXR) * 4 + (KT) * ((HD) + 2) * 2 + (KT) * (HD) * 2)
+
+#define ATTN_ARGS                                                                                          \
+    const bf16 *__restrict__ q, const bf16 *__restrict__ k_cache, const bf16 *__restrict__ v_cache,       \
+        const int *__restrict__ tables, int max_blocks, int block_size, const int *__restrict__ items,     \
+        int n_heads, int n_kv_heads, float scale, int n_splits, int keys_per_split, bf16 *__restrict__ out, \
+        float *__restrict__ part_acc, float *__restrict__ part_ml
+#define ATTN_PASS q, k_cache, v_cache, tables, max_blocks, block_size, items, n_heads, n_kv_heads, scale, \
+                  n_splits, keys_per_split, out, part_acc, part_ml
+
+// Decode: one query token per item, up to 8 query heads per KV head.
+extern "C" __global__ void __launch_bounds__(128) attention_decode_hd64(ATTN_ARGS) {
+    attention_tile_loop<64, 8, 128, 64>(ATTN_PASS);
+}
+extern "C" __global__ void __launch_bounds__(128) attention_decode_hd128(ATTN_ARGS) {
+    attention_tile_loop<128, 8, 128, 64>(ATTN_PASS);
+}
+// Prefill: up to 64 rows (query tokens x query heads of a KV head) per item.
+extern "C" __global__ void __launch_bounds__(256) attention_prefill_hd64(ATTN_ARGS) {
+    attention_tile_loop<64, 64, 256, 64>(ATTN_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) attention_prefill_hd128(ATTN_ARGS) {
+    attention_tile_loop<128, 64, 256, 64>(ATTN_PASS);
+}
+
+// Merges the splits of a decode launch: for each (token, head) of rows[],
+// out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M). Grid (row, head), head_dim threads.
+extern "C" __global__ void attention_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+                                             const int* __restrict__ rows, int n_heads, int head_dim, int n_splits,
+                                             bf16* __restrict__ out) {
+    const u64 token = rows[blockIdx.x];
+    const int head = blockIdx.y, d = threadIdx.x;
+    const u64 base = (token * n_heads + head) * n_splits;
+    float m = NEG_INF;
+    for (int s = 0; s < n_splits; s++) m = fmaxf(m, part_ml[2 * (base + s)]);
+    float l = 0.0f, a = 0.0f;
+    if (m != NEG_INF) {
+        for (int s = 0; s < n_splits; s++) {
+            const float ms = part_ml[2 * (base + s)];
+            if (ms == NEG_INF) continue;
+            const float w = expf(ms - m);
+            l += part_ml[2 * (base + s) + 1] * w;
+            a += part_acc[(base + s) * head_dim + d] * w;
+        }
+    }
+    out[token * n_heads * head_dim + head * head_dim + d] = f32_to_bf16(l > 0.0f ? a / l : 0.0f);
+}

@@ -1,0 +1,17 @@
+//! The CUDA backend: the same Llama forward pass as `compute::cpu`, on one
+//! NVIDIA GPU, through cudarc. Kernels (`kernels/*.cu`) are compiled by NVRTC
+//! at first use for the device's architecture and cached (`nvrtc`); BF16 GEMMs
+//! go to cuBLAS. Everything is loaded at run time, so machines without a GPU
+//! run the rest of sluice and skip the GPU tests.
+
+pub mod bench;
+pub mod device;
+pub mod executor;
+pub mod model;
+pub mod nvrtc;
+#[cfg(test)]
+mod tests;
+
+pub use device::{Gpu, GpuError, cuda_available};
+pub use executor::CudaExecutor;
+pub use model::{ChunkResult, CudaKvCache, CudaLlama, StepOutput, Workspace};

@@ -1,0 +1,831 @@
+//! The Llama forward pass on one GPU. Weights are BF16 on the device (Q and K
+//! projections fused with V into one `wqkv`, gate with up into `w_gate_up`);
+//! the residual stream is f32; K and V live in a paged BF16 cache with the same
+//! block layout as the CPU's (`crate::kv::KvStorage`). A step runs a batch of
+//! sequence chunks, prefill chunks and decode tokens mixed, as on the CPU:
+//! per layer RMSNorm, one QKV GEMM, RoPE with the cache write, attention
+//! (decode and prefill launches), the output GEMM accumulated into the
+//! residual, RMSNorm, one gate-up GEMM, SwiGLU, the down GEMM accumulated.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaSlice;
+
+use super::device::{DevPtr, Gpu, GpuError, elementwise, grid};
+use crate::compute::cpu::{Quant, Weight};
+use crate::model::{Llama, LlamaConfig, Logits, SeqChunk};
+
+/// BF16 values as their bits.
+type Bf16 = u16;
+
+/// Rows of one attention block: decode (one query token, up to 8 query heads
+/// per KV head) and prefill launches (query tokens x heads). Keys per tile.
+const DECODE_ROWS: usize = 8;
+const PREFILL_ROWS: usize = 64;
+const KEY_TILE: usize = 64;
+
+/// Dynamic shared memory of an attention block (the kernel's ATTN_SMEM).
+fn attention_smem(head_dim: usize, rows: usize) -> u32 {
+    (rows * head_dim * 4
+        + rows * KEY_TILE * 4
+        + 3 * rows * 4
+        + KEY_TILE * (head_dim + 2) * 2
+        + KEY_TILE * head_dim * 2) as u32
+}
+
+#[derive(Debug)]
+struct CudaLayer {
+    attn_norm: CudaSlice<f32>,
+    /// [q_dim + 2 kv_dim, hidden]
+    wqkv: CudaSlice<Bf16>,
+    /// [hidden, q_dim]
+    wo: CudaSlice<Bf16>,
+    ffn_norm: CudaSlice<f32>,
+    /// [2 ffn, hidden]: gate rows, then up rows.
+    w_gate_up: CudaSlice<Bf16>,
+    /// [hidden, ffn]
+    w_down: CudaSlice<Bf16>,
+}
+
+/// A model whose weights are on the GPU.
+#[derive(Debug)]
+pub struct CudaLlama {
+    pub config: LlamaConfig,
+    pub gpu: Arc<Gpu>,
+    embed: CudaSlice<Bf16>,
+    layers: Vec<CudaLayer>,
+    norm: CudaSlice<f32>,
+    /// `None`: tied to the embedding.
+    lm_head: Option<CudaSlice<Bf16>>,
+}
+
+/// What a step gives back for the tokens that asked for logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepOutput {
+    /// The logits, copied to the host.
+    Logits,
+    /// The greedy token, picked on the GPU (only 4 bytes a token come back).
+    Argmax,
+}
+
+/// Per chunk: its logits (`vocab` floats per token asked for) or greedy tokens.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ChunkResult {
+    Logits(Vec<f32>),
+    Tokens(Vec<u32>),
+}
+
+impl CudaLlama {
+    fn check_shape(config: &LlamaConfig) -> Result<(), GpuError> {
+        config.check().map_err(GpuError::Other)?;
+        if ![64, 128].contains(&config.head_dim) {
+            return Err(GpuError::Other(format!(
+                "the CUDA attention kernels take heads of 64 or 128, not {}",
+                config.head_dim
+            )));
+        }
+        if config.n_heads / config.n_kv_heads > PREFILL_ROWS {
+            return Err(GpuError::Other(format!(
+                "{} query heads per KV head is more than the attention kernels take ({PREFILL_ROWS})",
+                config.n_heads / config.n_kv_heads
+            )));
+        }
+        Ok(())
+    }
+
+    fn allow_attention_smem(gpu: &Gpu, head_dim: usize) -> Result<(), GpuError> {
+        gpu.allow_shared_memory(
+            &format!("attention_prefill_hd{head_dim}"),
+            attention_smem(head_dim, PREFILL_ROWS),
+        )?;
+        gpu.allow_shared_memory(
+            &format!("attention_decode_hd{head_dim}"),
+            attention_smem(head_dim, DECODE_ROWS),
+        )
+    }
+
+    /// Copies a CPU model's weights to the GPU, dequantizing Q4_1 and Q8_0
+    /// blocks to BF16 there.
+    pub fn from_host(gpu: Arc<Gpu>, model: &Llama) -> Result<CudaLlama, GpuError> {
+        let c = model.config.clone();
+        Self::check_shape(&c)?;
+        Self::allow_attention_smem(&gpu, c.head_dim)?;
+        gpu.bind()?;
+        let (embed_w, layers_w, norm_w, head_w) = model.parts();
+        let (h, q, kv, ffn) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
+        let put = |dst: &CudaSlice<Bf16>, row: usize, cols: usize, w: &Weight| {
+            put_weight(&gpu, w, gpu.ptr(dst, row * cols))
+        };
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for l in layers_w {
+            let wqkv = gpu.alloc::<Bf16>((q + 2 * kv) * h)?;
+            put(&wqkv, 0, h, &l.wq)?;
+            put(&wqkv, q, h, &l.wk)?;
+            put(&wqkv, q + kv, h, &l.wv)?;
+            let wo = gpu.alloc::<Bf16>(h * q)?;
+            put(&wo, 0, q, &l.wo)?;
+            let w_gate_up = gpu.alloc::<Bf16>(2 * ffn * h)?;
+            put(&w_gate_up, 0, h, &l.w_gate)?;
+            put(&w_gate_up, ffn, h, &l.w_up)?;
+            let w_down = gpu.alloc::<Bf16>(h * ffn)?;
+            put(&w_down, 0, ffn, &l.w_down)?;
+            layers.push(CudaLayer {
+                attn_norm: gpu.upload(&l.attn_norm)?,
+                wqkv,
+                wo,
+                ffn_norm: gpu.upload(&l.ffn_norm)?,
+                w_gate_up,
+                w_down,
+            });
+        }
+        let embed = gpu.alloc::<Bf16>(c.vocab * h)?;
+        put(&embed, 0, h, embed_w)?;
+        let lm_head = match head_w {
+            Some(w) => {
+                let head = gpu.alloc::<Bf16>(c.vocab * h)?;
+                put(&head, 0, h, w)?;
+                Some(head)
+            }
+            None => None,
+        };
+        let norm = gpu.upload(norm_w)?;
+        gpu.synchronize()?;
+        Ok(CudaLlama {
+            config: c,
+            gpu,
+            embed,
+            layers,
+            norm,
+            lm_head,
+        })
+    }
+
+    /// A model of shape `config` with generated weights (uniform, scaled by
+    /// 1/sqrt(fan-in); norms 1), made on the GPU: for the shapes whose real
+    /// weights cannot be fetched here (`LlamaConfig::preset`).
+    pub fn synthetic(gpu: Arc<Gpu>, config: LlamaConfig, seed: u64) -> Result<CudaLlama, GpuError> {
+        let c = config;
+        Self::check_shape(&c)?;
+        Self::allow_attention_smem(&gpu, c.head_dim)?;
+        gpu.bind()?;
+        let (h, q, kv, ffn) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
+        let mut next_seed = seed;
+        let mut random = |len: usize, fan_in: usize| -> Result<CudaSlice<Bf16>, GpuError> {
+            let out = gpu.alloc::<Bf16>(len)?;
+            next_seed = next_seed.wrapping_add(len as u64);
+            let scale = 1.0 / (fan_in as f32).sqrt();
+            gpu.launch(
+                "fill_uniform_bf16",
+                elementwise(len),
+                &[&gpu.ptr(&out, 0), &(len as u64), &next_seed, &scale],
+            )?;
+            Ok(out)
+        };
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for _ in 0..c.n_layers {
+            layers.push(CudaLayer {
+                attn_norm: gpu.upload(&vec![1.0f32; h])?,
+                wqkv: random((q + 2 * kv) * h, h)?,
+                wo: random(h * q, q)?,
+                ffn_norm: gpu.upload(&vec![1.0f32; h])?,
+                w_gate_up: random(2 * ffn * h, h)?,
+                w_down: random(h * ffn, ffn)?,
+            });
+        }
+        let embed = random(c.vocab * h, 1)?;
+        let lm_head = Some(random(c.vocab * h, h)?);
+        let norm = gpu.upload(&vec![1.0f32; h])?;
+        gpu.synchronize()?;
+        Ok(CudaLlama {
+            config: c,
+            gpu,
+            embed,
+            layers,
+            norm,
+            lm_head,
+        })
+    }
+
+    /// Bytes of weights one decode step reads (every layer's matrices and the
+    /// output head; one embedding row per token is left out).
+    pub fn weight_bytes(&self) -> usize {
+        let c = &self.config;
+        let (h, q, kv, ffn) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
+        let per_layer = (q + 2 * kv) * h + h * q + 2 * ffn * h + h * ffn;
+        2 * (c.n_layers * per_layer + c.vocab * h)
+    }
+
+    /// Runs the chunks, writing their K and V into `kv`; returns, per chunk,
+    /// what `output` asks for of the tokens that want logits.
+    pub fn forward(
+        &self,
+        kv: &mut CudaKvCache,
+        ws: &mut Workspace,
+        chunks: &[SeqChunk<'_>],
+        output: StepOutput,
+    ) -> Result<Vec<ChunkResult>, GpuError> {
+        let c = &self.config;
+        let gpu = &*self.gpu;
+        gpu.bind()?;
+        let (h, q_dim, kv_dim, ffn, hd) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn, c.head_dim);
+        let group = c.n_heads / c.n_kv_heads;
+        let plan = StepPlan::new(chunks, kv.block_size, group, gpu.sm_count, c.n_kv_heads);
+        let n = plan.tokens.len();
+        let m = plan.logit_rows.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        ws.reserve(gpu, c, n, m, plan.decode_splits)?;
+        let meta = plan.upload(gpu, &mut ws.meta)?;
+        let p = |s: &CudaSlice<f32>| gpu.ptr(s, 0);
+        let b = |s: &CudaSlice<Bf16>| gpu.ptr(s, 0);
+        let (x, xn, qkv, qb, attn) = (p(&ws.x), b(&ws.xn), p(&ws.qkv), b(&ws.q), b(&ws.attn));
+        let (gate_up, act) = (p(&ws.gate_up), b(&ws.act));
+        let (n32, h32, eps) = (n as u32, h as i32, c.rms_eps);
+        let null: DevPtr = 0;
+
+        // SAFETY (all launches): the buffers were sized by `reserve` for n
+        // tokens and m logit rows; the index arrays hold n (or m) entries.
+        gpu.launch(
+            "embed_rows",
+            grid((n32, 1, 1), 256, 0),
+            &[&b(&self.embed), &meta.tokens, &x, &h32],
+        )?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let (k_cache, v_cache) = kv.layer(gpu, li);
+            gpu.launch(
+                "rms_norm",
+                grid((n32, 1, 1), 256, 0),
+                &[&x, &null, &p(&layer.attn_norm), &xn, &h32, &eps],
+            )?;
+            gpu.gemm_bf16(b(&layer.wqkv), xn, qkv, n, q_dim + 2 * kv_dim, h, 0.0)?;
+            gpu.launch(
+                "rope_store_kv",
+                grid((n32, 1, 1), 128, 0),
+                &[
+                    &qkv,
+                    &meta.positions,
+                    &meta.slots,
+                    &qb,
+                    &k_cache,
+                    &v_cache,
+                    &(c.n_heads as i32),
+                    &(c.n_kv_heads as i32),
+                    &(hd as i32),
+                    &c.rope_theta,
+                ],
+            )?;
+            launch_attention(gpu, c, ws, &plan, &meta, qb, k_cache, v_cache, attn)?;
+            gpu.gemm_bf16(b(&layer.wo), attn, x, n, h, q_dim, 1.0)?;
+            gpu.launch(
+                "rms_norm",
+                grid((n32, 1, 1), 256, 0),
+                &[&x, &null, &p(&layer.ffn_norm), &xn, &h32, &eps],
+            )?;
+            gpu.gemm_bf16(b(&layer.w_gate_up), xn, gate_up, n, 2 * ffn, h, 0.0)?;
+            gpu.launch(
+                "silu_mul",
+                elementwise(n * ffn),
+                &[&gate_up, &act, &(ffn as i32), &(n as u64)],
+            )?;
+            gpu.gemm_bf16(b(&layer.w_down), act, x, n, h, ffn, 1.0)?;
+        }
+
+        let mut results: Vec<ChunkResult> = Vec::with_capacity(chunks.len());
+        if m > 0 {
+            let head_in = b(&ws.head_in);
+            gpu.launch(
+                "rms_norm",
+                grid((m as u32, 1, 1), 256, 0),
+                &[&x, &meta.logit_rows, &p(&self.norm), &head_in, &h32, &eps],
+            )?;
+            let head = b(self.lm_head.as_ref().unwrap_or(&self.embed));
+            gpu.gemm_bf16(head, head_in, p(&ws.logits), m, c.vocab, h, 0.0)?;
+        }
+        let per_chunk = plan.logits_per_chunk.iter().copied();
+        match output {
+            StepOutput::Logits => {
+                let all = gpu.download(&ws.logits, m * c.vocab)?;
+                let mut at = 0;
+                for count in per_chunk {
+                    results.push(ChunkResult::Logits(
+                        all[at * c.vocab..(at + count) * c.vocab].to_vec(),
+                    ));
+                    at += count;
+                }
+            }
+            StepOutput::Argmax => {
+                if m > 0 {
+                    gpu.launch(
+                        "argmax_rows",
+                        grid((m as u32, 1, 1), 1024, 0),
+                        &[&p(&ws.logits), &(c.vocab as i32), &gpu.ptr(&ws.argmax, 0)],
+                    )?;
+                }
+                let all = gpu.download(&ws.argmax, m)?;
+                let mut at = 0;
+                for count in per_chunk {
+                    results.push(ChunkResult::Tokens(
+                        all[at..at + count].iter().map(|&t| t as u32).collect(),
+                    ));
+                    at += count;
+                }
+            }
+        }
+        Ok(results)
+    }
+}
+
+/// Attention of every query token of the step (`q`, BF16 rows of q_dim) over
+/// one layer's paged K and V into `out` (BF16 rows of q_dim): one launch for
+/// the decode tokens (split across blocks, then combined) and one for the
+/// prefill runs.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_attention(
+    gpu: &Gpu,
+    c: &LlamaConfig,
+    ws: &Workspace,
+    plan: &StepPlan,
+    meta: &MetaPtrs,
+    q: DevPtr,
+    k_cache: DevPtr,
+    v_cache: DevPtr,
+    out: DevPtr,
+) -> Result<(), GpuError> {
+    let hd = c.head_dim;
+    let (part_acc, part_ml) = (gpu.ptr(&ws.part_acc, 0), gpu.ptr(&ws.part_ml, 0));
+    let (max_blocks, block_size) = (plan.max_blocks as i32, plan.block_size as i32);
+    let (n_heads, n_kv_heads) = (c.n_heads as i32, c.n_kv_heads as i32);
+    let scale = 1.0 / (hd as f32).sqrt();
+    // The kernels' parameters (ATTN_ARGS in attention.cu), in order.
+    let launch = |name: String, items: DevPtr, count: usize, splits: usize, per_split: usize| {
+        let (rows, threads) = if name.contains("decode") {
+            (DECODE_ROWS, 128)
+        } else {
+            (PREFILL_ROWS, 256)
+        };
+        let (splits, per_split) = (splits as i32, per_split as i32);
+        gpu.launch(
+            &name,
+            grid(
+                (count as u32, c.n_kv_heads as u32, splits as u32),
+                threads,
+                attention_smem(hd, rows),
+            ),
+            &[
+                &q,
+                &k_cache,
+                &v_cache,
+                &meta.tables,
+                &max_blocks,
+                &block_size,
+                &items,
+                &n_heads,
+                &n_kv_heads,
+                &scale,
+                &splits,
+                &per_split,
+                &out,
+                &part_acc,
+                &part_ml,
+            ],
+        )
+    };
+    let decode_items = plan.decode_items.len() / 4;
+    if decode_items > 0 {
+        let splits = plan.decode_splits;
+        launch(
+            format!("attention_decode_hd{hd}"),
+            meta.decode_items,
+            decode_items,
+            splits,
+            plan.decode_keys_per_split,
+        )?;
+        if splits > 1 {
+            gpu.launch(
+                "attention_combine",
+                grid((decode_items as u32, c.n_heads as u32, 1), hd as u32, 0),
+                &[
+                    &part_acc,
+                    &part_ml,
+                    &meta.decode_rows,
+                    &n_heads,
+                    &(hd as i32),
+                    &(splits as i32),
+                    &out,
+                ],
+            )?;
+        }
+    }
+    let prefill_items = plan.prefill_items.len() / 4;
+    if prefill_items > 0 {
+        launch(
+            format!("attention_prefill_hd{hd}"),
+            meta.prefill_items,
+            prefill_items,
+            1,
+            i32::MAX as usize,
+        )?;
+    }
+    Ok(())
+}
+
+/// Writes `w` as BF16 at `dst` (rows x cols elements).
+fn put_weight(gpu: &Gpu, w: &Weight, dst: DevPtr) -> Result<(), GpuError> {
+    let n = (w.rows() * w.cols()) as u64;
+    // SAFETY (launches): the sources hold what the kernels read for n
+    // elements; dst has room for n BF16 values (the caller's layout).
+    match w {
+        Weight::F32(m) => {
+            let src = gpu.upload(&m.data)?;
+            gpu.launch(
+                "f32_to_bf16_array",
+                elementwise(n as usize),
+                &[&gpu.ptr(&src, 0), &dst, &n],
+            )?;
+            gpu.synchronize()?;
+        }
+        Weight::Quant { quant, .. } => match quant {
+            Quant::Q4_1 { scales, mins, qs } => {
+                let (s, mi, q) = (gpu.upload(scales)?, gpu.upload(mins)?, gpu.upload(qs)?);
+                let blocks = n / 32;
+                gpu.launch(
+                    "dequant_q4_1",
+                    elementwise(n as usize / 2),
+                    &[
+                        &gpu.ptr(&s, 0),
+                        &gpu.ptr(&mi, 0),
+                        &gpu.ptr(&q, 0),
+                        &dst,
+                        &blocks,
+                    ],
+                )?;
+                gpu.synchronize()?;
+            }
+            Quant::Q8_0 { scales, qs } => {
+                let (s, q) = (gpu.upload(scales)?, gpu.upload(qs)?);
+                let blocks = n / 32;
+                gpu.launch(
+                    "dequant_q8_0",
+                    elementwise(n as usize),
+                    &[&gpu.ptr(&s, 0), &gpu.ptr(&q, 0), &dst, &blocks],
+                )?;
+                gpu.synchronize()?;
+            }
+        },
+    }
+    Ok(())
+}
+
+/// `put_weight`, for the kernel tests.
+#[cfg(test)]
+pub(crate) fn put_weight_for_test(gpu: &Gpu, w: &Weight, dst: DevPtr) {
+    put_weight(gpu, w, dst).expect("put weight");
+}
+
+/// K and V of every layer: `n_blocks` pages of `block_size` token slots of
+/// `kv_dim` BF16 values, per layer (the CPU's `KvStorage` layout).
+#[derive(Debug)]
+pub struct CudaKvCache {
+    pub n_layers: usize,
+    pub n_blocks: usize,
+    pub block_size: usize,
+    pub kv_dim: usize,
+    pub(crate) k: CudaSlice<Bf16>,
+    pub(crate) v: CudaSlice<Bf16>,
+}
+
+impl CudaKvCache {
+    pub fn new(
+        gpu: &Gpu,
+        config: &LlamaConfig,
+        n_blocks: usize,
+        block_size: usize,
+    ) -> Result<CudaKvCache, GpuError> {
+        let len = config.n_layers * n_blocks * block_size * config.kv_dim();
+        Ok(CudaKvCache {
+            n_layers: config.n_layers,
+            n_blocks,
+            block_size,
+            kv_dim: config.kv_dim(),
+            k: gpu.alloc(len)?,
+            v: gpu.alloc(len)?,
+        })
+    }
+
+    /// Bytes of K and V one token takes, across layers.
+    pub fn bytes_per_token(&self) -> usize {
+        2 * 2 * self.n_layers * self.kv_dim
+    }
+
+    /// The K and V base addresses of `layer`.
+    pub(crate) fn layer(&self, gpu: &Gpu, layer: usize) -> (DevPtr, DevPtr) {
+        let at = layer * self.n_blocks * self.block_size * self.kv_dim;
+        (gpu.ptr(&self.k, at), gpu.ptr(&self.v, at))
+    }
+
+    /// K and V of one layer, as f32 on the host (tests).
+    pub fn read_layer(&self, gpu: &Gpu, layer: usize) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
+        let span = self.n_blocks * self.block_size * self.kv_dim;
+        let all_k = gpu.download(&self.k, (layer + 1) * span)?;
+        let all_v = gpu.download(&self.v, (layer + 1) * span)?;
+        let f = |v: &[u16]| {
+            v.iter()
+                .map(|&b| half::bf16::from_bits(b).to_f32())
+                .collect()
+        };
+        Ok((f(&all_k[layer * span..]), f(&all_v[layer * span..])))
+    }
+}
+
+/// Activations and step metadata, grown to the largest step seen.
+#[derive(Debug)]
+pub struct Workspace {
+    tokens: usize,
+    logit_rows: usize,
+    splits: usize,
+    x: CudaSlice<f32>,
+    xn: CudaSlice<Bf16>,
+    qkv: CudaSlice<f32>,
+    q: CudaSlice<Bf16>,
+    attn: CudaSlice<Bf16>,
+    gate_up: CudaSlice<f32>,
+    act: CudaSlice<Bf16>,
+    head_in: CudaSlice<Bf16>,
+    logits: CudaSlice<f32>,
+    argmax: CudaSlice<i32>,
+    part_acc: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
+    meta: CudaSlice<i32>,
+}
+
+impl Workspace {
+    pub fn new(gpu: &Gpu) -> Result<Workspace, GpuError> {
+        Ok(Workspace {
+            tokens: 0,
+            logit_rows: 0,
+            splits: 0,
+            x: gpu.alloc(1)?,
+            xn: gpu.alloc(1)?,
+            qkv: gpu.alloc(1)?,
+            q: gpu.alloc(1)?,
+            attn: gpu.alloc(1)?,
+            gate_up: gpu.alloc(1)?,
+            act: gpu.alloc(1)?,
+            head_in: gpu.alloc(1)?,
+            logits: gpu.alloc(1)?,
+            argmax: gpu.alloc(1)?,
+            part_acc: gpu.alloc(1)?,
+            part_ml: gpu.alloc(1)?,
+            meta: gpu.alloc(1)?,
+        })
+    }
+
+    pub(crate) fn reserve(
+        &mut self,
+        gpu: &Gpu,
+        c: &LlamaConfig,
+        tokens: usize,
+        logit_rows: usize,
+        splits: usize,
+    ) -> Result<(), GpuError> {
+        if tokens > self.tokens || splits > self.splits {
+            let n = tokens.max(self.tokens).next_power_of_two();
+            let s = splits.max(self.splits);
+            let (h, q, kv, ffn) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
+            self.x = gpu.alloc(n * h)?;
+            self.xn = gpu.alloc(n * h)?;
+            self.qkv = gpu.alloc(n * (q + 2 * kv))?;
+            self.q = gpu.alloc(n * q)?;
+            self.attn = gpu.alloc(n * q)?;
+            self.gate_up = gpu.alloc(n * 2 * ffn)?;
+            self.act = gpu.alloc(n * ffn)?;
+            self.part_acc = gpu.alloc(n * c.n_heads * s * c.head_dim)?;
+            self.part_ml = gpu.alloc(n * c.n_heads * s * 2)?;
+            self.tokens = n;
+            self.splits = s;
+        }
+        if logit_rows > self.logit_rows {
+            let m = logit_rows.next_power_of_two();
+            self.head_in = gpu.alloc(m * c.hidden)?;
+            self.logits = gpu.alloc(m * c.vocab)?;
+            self.argmax = gpu.alloc(m)?;
+            self.logit_rows = m;
+        }
+        Ok(())
+    }
+}
+
+/// Where each index array of a step landed on the device.
+pub(crate) struct MetaPtrs {
+    tokens: DevPtr,
+    positions: DevPtr,
+    slots: DevPtr,
+    tables: DevPtr,
+    decode_items: DevPtr,
+    decode_rows: DevPtr,
+    prefill_items: DevPtr,
+    logit_rows: DevPtr,
+}
+
+/// A step's batch, laid out for the kernels (host side).
+#[derive(Debug, Default, PartialEq)]
+pub(crate) struct StepPlan {
+    pub tokens: Vec<i32>,
+    pub positions: Vec<i32>,
+    /// KV cache slot of each token: block * block_size + position % block_size.
+    pub slots: Vec<i32>,
+    /// One row of `max_blocks` block ids per chunk.
+    pub tables: Vec<i32>,
+    pub max_blocks: usize,
+    pub block_size: usize,
+    /// {seq, q_row, n_q, q_pos} per item.
+    pub decode_items: Vec<i32>,
+    pub decode_rows: Vec<i32>,
+    pub prefill_items: Vec<i32>,
+    pub decode_splits: usize,
+    pub decode_keys_per_split: usize,
+    /// Token rows whose logits are wanted, in chunk order.
+    pub logit_rows: Vec<i32>,
+    pub logits_per_chunk: Vec<usize>,
+}
+
+impl StepPlan {
+    pub(crate) fn new(
+        chunks: &[SeqChunk<'_>],
+        block_size: usize,
+        group: usize,
+        sm_count: u32,
+        n_kv_heads: usize,
+    ) -> StepPlan {
+        let mut p = StepPlan {
+            block_size,
+            max_blocks: chunks
+                .iter()
+                .map(|c| c.block_table.len())
+                .max()
+                .unwrap_or(0)
+                .max(1),
+            ..StepPlan::default()
+        };
+        let prefill_tokens = (PREFILL_ROWS / group).max(1);
+        let mut longest_decode = 0;
+        for (ci, ch) in chunks.iter().enumerate() {
+            let first_row = p.tokens.len();
+            for (i, &t) in ch.tokens.iter().enumerate() {
+                let pos = ch.start + i;
+                p.tokens.push(t as i32);
+                p.positions.push(pos as i32);
+                let block = ch.block_table[pos / block_size] as usize;
+                p.slots.push((block * block_size + pos % block_size) as i32);
+            }
+            p.tables.extend(ch.block_table.iter().map(|&b| b as i32));
+            p.tables
+                .extend(std::iter::repeat_n(0, p.max_blocks - ch.block_table.len()));
+            let len = ch.tokens.len();
+            if len == 1 && group <= DECODE_ROWS {
+                p.decode_items
+                    .extend([ci as i32, first_row as i32, 1, ch.start as i32]);
+                p.decode_rows.push(first_row as i32);
+                longest_decode = longest_decode.max(ch.start + 1);
+            } else {
+                for from in (0..len).step_by(prefill_tokens) {
+                    let n_q = prefill_tokens.min(len - from);
+                    p.prefill_items.extend([
+                        ci as i32,
+                        (first_row + from) as i32,
+                        n_q as i32,
+                        (ch.start + from) as i32,
+                    ]);
+                }
+            }
+            let rows = match ch.logits {
+                Logits::None => first_row + len..first_row + len,
+                Logits::Last => first_row + len.saturating_sub(1)..first_row + len,
+                Logits::All => first_row..first_row + len,
+            };
+            p.logits_per_chunk.push(rows.len());
+            p.logit_rows.extend(rows.map(|r| r as i32));
+        }
+        // Flash-decoding: enough blocks to fill the GPU twice over, in whole
+        // key tiles.
+        let decode_blocks = p.decode_rows.len() * n_kv_heads;
+        let (mut splits, mut per_split) = (1, longest_decode.max(1).next_multiple_of(KEY_TILE));
+        if decode_blocks > 0 {
+            let wanted = (2 * sm_count as usize).div_ceil(decode_blocks);
+            let tiles = longest_decode.div_ceil(KEY_TILE);
+            splits = wanted.clamp(1, tiles.max(1));
+            per_split = tiles.div_ceil(splits) * KEY_TILE;
+            splits = longest_decode.div_ceil(per_split).max(1);
+        }
+        p.decode_splits = splits;
+        p.decode_keys_per_split = per_split;
+        p
+    }
+
+    /// Copies every index array to the device in one transfer.
+    pub(crate) fn upload(
+        &self,
+        gpu: &Gpu,
+        meta: &mut CudaSlice<i32>,
+    ) -> Result<MetaPtrs, GpuError> {
+        let parts: [&[i32]; 8] = [
+            &self.tokens,
+            &self.positions,
+            &self.slots,
+            &self.tables,
+            &self.decode_items,
+            &self.decode_rows,
+            &self.prefill_items,
+            &self.logit_rows,
+        ];
+        let mut all = Vec::with_capacity(parts.iter().map(|p| p.len() + 4).sum());
+        let mut offsets = [0usize; 8];
+        for (i, part) in parts.iter().enumerate() {
+            offsets[i] = all.len();
+            all.extend_from_slice(part);
+            // Keep each array 16-byte aligned.
+            all.resize(all.len().next_multiple_of(4), 0);
+        }
+        if all.len() > meta.len() {
+            *meta = gpu.alloc(all.len().next_power_of_two())?;
+        }
+        gpu.upload_into(&all, meta)?;
+        let at = |i: usize| gpu.ptr(meta, offsets[i]);
+        Ok(MetaPtrs {
+            tokens: at(0),
+            positions: at(1),
+            slots: at(2),
+            tables: at(3),
+            decode_items: at(4),
+            decode_rows: at(5),
+            prefill_items: at(6),
+            logit_rows: at(7),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plan_lays_out_a_mixed_batch() {
+        // A 3-token prefill chunk at position 4 and a decode token at 20.
+        let (t1, t2) = ([7u32, 8, 9], [5u32]);
+        let chunks = [
+            SeqChunk {
+                tokens: &t1,
+                start: 4,
+                block_table: &[3, 1],
+                logits: Logits::Last,
+            },
+            SeqChunk {
+                tokens: &t2,
+                start: 20,
+                block_table: &[0, 2],
+                logits: Logits::Last,
+            },
+        ];
+        let p = StepPlan::new(&chunks, 16, 3, 132, 3);
+        assert_eq!(p.tokens, [7, 8, 9, 5]);
+        assert_eq!(p.positions, [4, 5, 6, 20]);
+        assert_eq!(p.slots, [3 * 16 + 4, 3 * 16 + 5, 3 * 16 + 6, 2 * 16 + 4]);
+        assert_eq!(p.tables, [3, 1, 0, 2]);
+        assert_eq!(p.prefill_items, [0, 0, 3, 4]);
+        assert_eq!(p.decode_items, [1, 3, 1, 20]);
+        assert_eq!(p.decode_rows, [3]);
+        assert_eq!(p.logit_rows, [2, 3]);
+        assert_eq!(p.logits_per_chunk, [1, 1]);
+        // 21 keys: one tile, so one split.
+        assert_eq!((p.decode_splits, p.decode_keys_per_split), (1, 64));
+    }
+
+    #[test]
+    fn long_decodes_split_across_blocks_and_prefill_runs_in_tiles() {
+        let tokens: Vec<u32> = (0..50).collect();
+        let table: Vec<u32> = (0..64).collect();
+        let chunks = [
+            SeqChunk {
+                tokens: &tokens,
+                start: 0,
+                block_table: &table,
+                logits: Logits::All,
+            },
+            SeqChunk {
+                tokens: &[1],
+                start: 1000,
+                block_table: &table,
+                logits: Logits::None,
+            },
+        ];
+        let p = StepPlan::new(&chunks, 16, 4, 132, 8);
+        // 16 query tokens per prefill item (64 rows / 4 heads per KV head).
+        assert_eq!(p.prefill_items.len() / 4, 4);
+        assert_eq!(&p.prefill_items[12..], [0, 48, 2, 48]);
+        // 1001 keys, 8 blocks wanting 264: 16 tiles, one each.
+        assert_eq!((p.decode_splits, p.decode_keys_per_split), (16, 64));
+        assert_eq!(p.logit_rows.len(), 50);
+        assert_eq!(p.logits_per_chunk, [50, 0]);
+    }
+}

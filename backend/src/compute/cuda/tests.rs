@@ -1,0 +1,350 @@
+//! Each CUDA kernel against the CPU reference on the same inputs, on the
+//! device. Skipped (with a line on stderr) where there is no GPU.
+//!
+//! Tolerances: a kernel that writes BF16 is allowed one BF16 rounding of the
+//! f32 reference (relative 2^-8, plus a small absolute term for values near 0);
+//! attention, which reads BF16 K and V and writes BF16, is held to 1e-2
+//! absolute on outputs of magnitude about 1.
+
+use std::sync::Arc;
+
+use half::bf16;
+
+use super::device::{Gpu, elementwise, grid};
+use super::model::{CudaKvCache, StepPlan, Workspace, launch_attention};
+use crate::compute::cpu::{Weight, dot, rms_norm, rope, rope_table, silu, softmax};
+use crate::model::{LlamaConfig, Logits, SeqChunk};
+
+fn gpu() -> Option<Arc<Gpu>> {
+    if !super::cuda_available() {
+        eprintln!("skipped: no CUDA GPU");
+        return None;
+    }
+    Some(Gpu::open(0).expect("open GPU 0"))
+}
+
+/// Deterministic values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+fn to_bf16(v: &[f32]) -> Vec<u16> {
+    v.iter().map(|&x| bf16::from_f32(x).to_bits()).collect()
+}
+
+fn from_bf16(v: &[u16]) -> Vec<f32> {
+    v.iter().map(|&b| bf16::from_bits(b).to_f32()).collect()
+}
+
+/// Within one BF16 rounding of `want`.
+fn assert_bf16_close(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let tol = w.abs() / 256.0 + 1e-6;
+        assert!((g - w).abs() <= tol, "{what}[{i}]: got {g}, want {w}");
+    }
+}
+
+#[test]
+fn dequantization_matches_the_cpu_rows() {
+    let Some(gpu) = gpu() else { return };
+    let (rows, cols) = (8, 64);
+    // Q4_1 blocks: f16 scale, f16 min, 16 bytes; Q8_0: f16 scale, 32 bytes.
+    let mut q4 = Vec::new();
+    let mut q8 = Vec::new();
+    for b in 0..rows * cols / 32 {
+        q4.extend(half::f16::from_f32(0.01 * (b as f32 + 1.0)).to_le_bytes());
+        q4.extend(half::f16::from_f32(-0.05 * b as f32).to_le_bytes());
+        q4.extend((0..16).map(|j| (b * 16 + j * 7) as u8));
+        q8.extend(half::f16::from_f32(0.003 * (b as f32 + 1.0)).to_le_bytes());
+        q8.extend((0..32).map(|j| (b as i32 * 5 + j * 11 - 128) as u8));
+    }
+    for (bytes, q4_1) in [(q4, true), (q8, false)] {
+        let w = Weight::from_blocks(rows, cols, q4_1, &bytes).expect("blocks");
+        let out = gpu.alloc::<u16>(rows * cols).expect("alloc");
+        super::model::put_weight_for_test(&gpu, &w, gpu.ptr(&out, 0));
+        let got = from_bf16(&gpu.download(&out, rows * cols).expect("download"));
+        let want: Vec<f32> = (0..rows).flat_map(|r| w.row_f32(r)).collect();
+        assert_bf16_close(&got, &want, if q4_1 { "q4_1" } else { "q8_0" });
+    }
+}
+
+#[test]
+fn rms_norm_silu_and_argmax_match_the_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let (n, h) = (5, 576);
+    let x = values(n * h, 1);
+    let w = values(h, 2);
+    let (dx, dw) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap());
+    let out = gpu.alloc::<u16>(n * h).unwrap();
+    // Rows 4 and 1 only, through the row list.
+    let rows = gpu.upload(&[4i32, 1]).unwrap();
+    let eps = 1e-5f32;
+    gpu.launch(
+        "rms_norm",
+        grid((2, 1, 1), 256, 0),
+        &[
+            &gpu.ptr(&dx, 0),
+            &gpu.ptr(&rows, 0),
+            &gpu.ptr(&dw, 0),
+            &gpu.ptr(&out, 0),
+            &(h as i32),
+            &eps,
+        ],
+    )
+    .unwrap();
+    let got = from_bf16(&gpu.download(&out, 2 * h).unwrap());
+    let mut want = rms_norm(&x[4 * h..5 * h], &w, eps);
+    want.extend(rms_norm(&x[h..2 * h], &w, eps));
+    assert_bf16_close(&got, &want, "rms_norm");
+
+    let ffn = 300;
+    let gate_up: Vec<f32> = values(n * 2 * ffn, 3).iter().map(|v| v * 6.0).collect();
+    let dg = gpu.upload(&gate_up).unwrap();
+    let act = gpu.alloc::<u16>(n * ffn).unwrap();
+    gpu.launch(
+        "silu_mul",
+        elementwise(n * ffn),
+        &[
+            &gpu.ptr(&dg, 0),
+            &gpu.ptr(&act, 0),
+            &(ffn as i32),
+            &(n as u64),
+        ],
+    )
+    .unwrap();
+    let got = from_bf16(&gpu.download(&act, n * ffn).unwrap());
+    let want: Vec<f32> = (0..n * ffn)
+        .map(|i| {
+            let (t, j) = (i / ffn, i % ffn);
+            silu(gate_up[t * 2 * ffn + j]) * gate_up[t * 2 * ffn + ffn + j]
+        })
+        .collect();
+    assert_bf16_close(&got, &want, "silu_mul");
+
+    let vocab = 49_152;
+    let mut logits = values(3 * vocab, 4);
+    logits[vocab + 777] = 5.0;
+    logits[vocab + 40_000] = 5.0; // a tie: the lower index wins
+    logits[2 * vocab + 49_151] = 9.0;
+    let dl = gpu.upload(&logits).unwrap();
+    let picked = gpu.alloc::<i32>(3).unwrap();
+    gpu.launch(
+        "argmax_rows",
+        grid((3, 1, 1), 1024, 0),
+        &[&gpu.ptr(&dl, 0), &(vocab as i32), &gpu.ptr(&picked, 0)],
+    )
+    .unwrap();
+    let want0 = (0..vocab).fold(0, |best, i| if logits[i] > logits[best] { i } else { best });
+    assert_eq!(
+        gpu.download(&picked, 3).unwrap(),
+        [want0 as i32, 777, 49_151]
+    );
+}
+
+fn tiny_config(head_dim: usize, n_heads: usize, n_kv_heads: usize) -> LlamaConfig {
+    LlamaConfig {
+        n_layers: 1,
+        hidden: n_heads * head_dim,
+        ffn: 64,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        vocab: 32,
+        context: 4096,
+        rope_theta: 10_000.0,
+        rms_eps: 1e-5,
+    }
+}
+
+#[test]
+fn rope_and_the_cache_write_match_the_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let c = tiny_config(64, 6, 2);
+    let (q_dim, kv_dim) = (c.q_dim(), c.kv_dim());
+    let block_size = 16;
+    let kv = CudaKvCache::new(&gpu, &c, 8, block_size).unwrap();
+    let positions_used = [0i32, 17, 40];
+    let table = [5u32, 2, 7];
+    let slots: Vec<i32> = positions_used
+        .iter()
+        .map(|&p| {
+            (table[p as usize / block_size] as usize * block_size + p as usize % block_size) as i32
+        })
+        .collect();
+    let n = positions_used.len();
+    let qkv = values(n * (q_dim + 2 * kv_dim), 5);
+    let (dqkv, dpos, dslots) = (
+        gpu.upload(&qkv).unwrap(),
+        gpu.upload(&positions_used).unwrap(),
+        gpu.upload(&slots).unwrap(),
+    );
+    let q_out = gpu.alloc::<u16>(n * q_dim).unwrap();
+    let (k_cache, v_cache) = kv.layer(&gpu, 0);
+    gpu.launch(
+        "rope_store_kv",
+        grid((n as u32, 1, 1), 128, 0),
+        &[
+            &gpu.ptr(&dqkv, 0),
+            &gpu.ptr(&dpos, 0),
+            &gpu.ptr(&dslots, 0),
+            &gpu.ptr(&q_out, 0),
+            &k_cache,
+            &v_cache,
+            &(c.n_heads as i32),
+            &(c.n_kv_heads as i32),
+            &(c.head_dim as i32),
+            &c.rope_theta,
+        ],
+    )
+    .unwrap();
+    let got_q = from_bf16(&gpu.download(&q_out, n * q_dim).unwrap());
+    let (k_all, v_all) = kv.read_layer(&gpu, 0).unwrap();
+    let width = q_dim + 2 * kv_dim;
+    for (t, &pos) in positions_used.iter().enumerate() {
+        let row = &qkv[t * width..(t + 1) * width];
+        let table_cos_sin = rope_table(pos as usize, c.head_dim, c.rope_theta);
+        let mut q = row[..q_dim].to_vec();
+        let mut k = row[q_dim..q_dim + kv_dim].to_vec();
+        rope(&mut q, c.head_dim, &table_cos_sin);
+        rope(&mut k, c.head_dim, &table_cos_sin);
+        assert_bf16_close(&got_q[t * q_dim..(t + 1) * q_dim], &q, "q");
+        let at = slots[t] as usize * kv_dim;
+        assert_bf16_close(&k_all[at..at + kv_dim], &k, "k");
+        assert_bf16_close(&v_all[at..at + kv_dim], &row[q_dim + kv_dim..], "v");
+    }
+}
+
+/// Causal attention of one query row over keys 0..=pos of a paged cache (f32).
+fn reference_attention(
+    c: &LlamaConfig,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    table: &[u32],
+    block_size: usize,
+    pos: usize,
+) -> Vec<f32> {
+    let (hd, kv_dim) = (c.head_dim, c.kv_dim());
+    let group = c.n_heads / c.n_kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let at = |p: usize| (table[p / block_size] as usize * block_size + p % block_size) * kv_dim;
+    let mut out = vec![0.0; c.q_dim()];
+    for head in 0..c.n_heads {
+        let kvh = (head / group) * hd;
+        let qh = &q[head * hd..(head + 1) * hd];
+        let mut scores: Vec<f32> = (0..=pos)
+            .map(|p| dot(qh, &k[at(p) + kvh..at(p) + kvh + hd]) * scale)
+            .collect();
+        softmax(&mut scores);
+        for (p, w) in scores.iter().enumerate() {
+            for d in 0..hd {
+                out[head * hd + d] += w * v[at(p) + kvh + d];
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn paged_attention_matches_the_cpu_for_decode_and_prefill() {
+    let Some(gpu) = gpu() else { return };
+    for (head_dim, n_heads, n_kv_heads) in [(64, 9, 3), (128, 8, 2), (128, 8, 1)] {
+        let c = tiny_config(head_dim, n_heads, n_kv_heads);
+        let block_size = 16;
+        let n_blocks = 160;
+        let mut kv = CudaKvCache::new(&gpu, &c, n_blocks, block_size).unwrap();
+        // Fill the whole cache with values, K and V.
+        let len = n_blocks * block_size * c.kv_dim();
+        let (k_host, v_host) = (
+            from_bf16(&to_bf16(&values(len, 11))),
+            from_bf16(&to_bf16(&values(len, 12))),
+        );
+        gpu.upload_into(&to_bf16(&k_host), &mut kv.k).unwrap();
+        gpu.upload_into(&to_bf16(&v_host), &mut kv.v).unwrap();
+        // Tables: sequence 0 uses blocks in reverse, sequence 1 every other one.
+        let t0: Vec<u32> = (0..80).rev().collect();
+        let t1: Vec<u32> = (0..80).map(|i| 80 + (i * 7) % 80).collect();
+        // A 70-token prefill chunk at 100 (several items, a partial tile), a
+        // decode at 1200 (split across blocks), a decode at 3 and a 1-token
+        // chunk asking for all logits.
+        let prefill_tokens = vec![0u32; 70];
+        let chunks = [
+            SeqChunk {
+                tokens: &prefill_tokens,
+                start: 100,
+                block_table: &t0,
+                logits: Logits::Last,
+            },
+            SeqChunk {
+                tokens: &[0],
+                start: 1200,
+                block_table: &t1,
+                logits: Logits::Last,
+            },
+            SeqChunk {
+                tokens: &[0],
+                start: 3,
+                block_table: &t0,
+                logits: Logits::Last,
+            },
+        ];
+        let plan = StepPlan::new(
+            &chunks,
+            block_size,
+            n_heads / n_kv_heads,
+            gpu.sm_count,
+            n_kv_heads,
+        );
+        assert!(plan.decode_splits > 1, "the long decode should be split");
+        let n = plan.tokens.len();
+        let q_host = from_bf16(&to_bf16(&values(n * c.q_dim(), 13)));
+        let dq = gpu.upload(&to_bf16(&q_host)).unwrap();
+        let out = gpu.alloc::<u16>(n * c.q_dim()).unwrap();
+        let mut ws = Workspace::new(&gpu).unwrap();
+        ws.reserve(&gpu, &c, n, 1, plan.decode_splits).unwrap();
+        let mut meta_buf = gpu.alloc::<i32>(1).unwrap();
+        let meta = plan.upload(&gpu, &mut meta_buf).unwrap();
+        let (k_cache, v_cache) = kv.layer(&gpu, 0);
+        launch_attention(
+            &gpu,
+            &c,
+            &ws,
+            &plan,
+            &meta,
+            gpu.ptr(&dq, 0),
+            k_cache,
+            v_cache,
+            gpu.ptr(&out, 0),
+        )
+        .unwrap();
+        let got = from_bf16(&gpu.download(&out, n * c.q_dim()).unwrap());
+        let mut worst = 0.0f32;
+        for t in 0..n {
+            let pos = plan.positions[t] as usize;
+            let table: &[u32] = match t {
+                0..70 => &t0,
+                70 => &t1,
+                _ => &t0,
+            };
+            let q_row = &q_host[t * c.q_dim()..(t + 1) * c.q_dim()];
+            let want = reference_attention(&c, q_row, &k_host, &v_host, table, block_size, pos);
+            for (g, w) in got[t * c.q_dim()..(t + 1) * c.q_dim()].iter().zip(&want) {
+                worst = worst.max((g - w).abs());
+            }
+        }
+        eprintln!("attention hd{head_dim} {n_heads}/{n_kv_heads}: max abs error {worst:e}");
+        assert!(
+            worst < 1e-2,
+            "attention hd{head_dim}: max abs error {worst}"
+        );
+    }
+}
