@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 
 use serde_json::{Value, json};
-use sluice_backend::compute::cuda::bench::{decode, prefill};
+use sluice_backend::compute::cuda::bench::{decode, gemv_sweep, prefill};
 use sluice_backend::compute::cuda::{CudaExecutor, CudaLlama, Gpu};
 use sluice_backend::model::LlamaConfig;
 
@@ -31,6 +31,14 @@ pub fn run_cuda_engine_bench(
     options: &CudaEngineBenchOptions,
     mut emit: impl FnMut(&Value),
 ) -> anyhow::Result<Value> {
+    let mut summary = serde_json::Map::new();
+    let shape_name = options
+        .synthetic
+        .clone()
+        .unwrap_or_else(|| "gguf".to_string());
+    if let (Some(script), Some(_)) = (&options.torch_script, &options.synthetic) {
+        run_torch_peer(options, script, &shape_name, &mut summary, &mut emit);
+    }
     let gpu = Gpu::open(options.ordinal)?;
     let (model, shape) = match (&options.synthetic, &options.model) {
         (Some(name), _) => {
@@ -67,7 +75,11 @@ pub fn run_cuda_engine_bench(
         &json!({"bench": "setup", "gpu": gpu.name, "arch": gpu.arch, "shape": shape,
                  "weights_gb": weight_gb, "kv_cache_gb": kv_gb}),
     );
-    let mut summary = serde_json::Map::new();
+    for f in gemv_sweep(&ex)? {
+        let mut line = serde_json::to_value(&f)?;
+        line["bench"] = json!("gemv");
+        emit(&line);
+    }
     for &batch in &options.batches {
         let f = decode(&mut ex, batch, options.context, options.steps, warmup)?;
         let mut line = serde_json::to_value(&f)?;
@@ -92,9 +104,21 @@ pub fn run_cuda_engine_bench(
             json!(f.percent_of_roofline),
         );
     }
-    // Free the GPU for the peer.
-    drop(ex);
-    if let Some(script) = &options.torch_script {
+    summary.insert("gpu".into(), json!(gpu.name));
+    summary.insert("shape".into(), json!(shape));
+    summary.insert("summary".into(), json!(true));
+    Ok(Value::Object(summary))
+}
+
+/// PyTorch + transformers on the same shape (bench/torch_llama.py), run before
+/// sluice loads anything so that each has the whole GPU.
+fn run_torch_peer(
+    options: &CudaEngineBenchOptions,
+    script: &std::path::Path,
+    shape: &str,
+    summary: &mut serde_json::Map<String, Value>,
+    emit: &mut impl FnMut(&Value),
+) {
         let batches: Vec<String> = options.batches.iter().map(|b| b.to_string()).collect();
         let prompts: Vec<String> = options.prompts.iter().map(|p| p.to_string()).collect();
         let out = std::process::Command::new("python3")
@@ -133,9 +157,4 @@ pub fn run_cuda_engine_bench(
             }
             Err(e) => emit(&json!({"bench": "peer", "skipped": e.to_string()})),
         }
-    }
-    summary.insert("gpu".into(), json!(gpu.name));
-    summary.insert("shape".into(), json!(shape));
-    summary.insert("summary".into(), json!(true));
-    Ok(Value::Object(summary))
 }

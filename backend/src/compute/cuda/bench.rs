@@ -42,6 +42,66 @@ pub struct PrefillFigure {
     pub percent_of_roofline: f64,
 }
 
+#[derive(Clone, Debug, Serialize)]
+pub struct GemvFigure {
+    pub matrix: &'static str,
+    pub rows: usize,
+    pub cols: usize,
+    pub tokens: usize,
+    /// Ours (`gemv_bf16_*`) and cuBLAS, in GB/s of weights read.
+    pub ours_gb_s: f64,
+    pub cublas_gb_s: f64,
+}
+
+/// Weight-read bandwidth of the decode GEMMs: every layer's copy of each
+/// matrix in turn (far more than L2), ours against cuBLAS, at 1 and 8 tokens.
+pub fn gemv_sweep(ex: &CudaExecutor) -> Result<Vec<GemvFigure>, GpuError> {
+    let gpu = &ex.model.gpu;
+    gpu.bind()?;
+    let c = &ex.model.config;
+    let widest = c.hidden.max(c.ffn).max(c.q_dim());
+    let tallest = (2 * c.ffn).max(c.q_dim() + 2 * c.kv_dim()).max(c.hidden);
+    let x = gpu.alloc::<u16>(8 * widest)?;
+    let y = gpu.alloc::<f32>(8 * tallest)?;
+    let (xp, yp) = (gpu.ptr(&x, 0), gpu.ptr(&y, 0));
+    let mut out = Vec::new();
+    for (name, copies, rows, cols) in ex.model.layer_matrices() {
+        for tokens in [1usize, 8] {
+            let rate = |cublas: bool| -> Result<f64, GpuError> {
+                let mut times = Vec::new();
+                for rep in 0..6 {
+                    gpu.synchronize()?;
+                    let started = Instant::now();
+                    for &w in &copies {
+                        if cublas {
+                            gpu.cublas_gemm_bf16(w, xp, yp, tokens, rows, cols, false)?;
+                        } else {
+                            gpu.gemv_bf16(w, xp, yp, tokens, rows, cols, false)?;
+                        }
+                    }
+                    gpu.synchronize()?;
+                    if rep > 0 {
+                        times.push(started.elapsed().as_secs_f64());
+                    }
+                }
+                let bytes = (copies.len() * rows * cols * 2) as f64;
+                Ok(bytes / median(times) / 1e9)
+            };
+            let ours_gb_s = rate(false)?;
+            let cublas_gb_s = rate(true)?;
+            out.push(GemvFigure {
+                matrix: name,
+                rows,
+                cols,
+                tokens,
+                ours_gb_s,
+                cublas_gb_s,
+            });
+        }
+    }
+    Ok(out)
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]

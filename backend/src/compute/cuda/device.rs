@@ -123,15 +123,6 @@ impl Gpu {
             .unwrap_or_else(|| panic!("no kernel named {name}"))
     }
 
-    /// Lets `name` use `bytes` of dynamic shared memory (above the 48 KiB default).
-    pub fn allow_shared_memory(&self, name: &str, bytes: u32) -> Result<(), GpuError> {
-        self.function(name).set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            bytes as i32,
-        )?;
-        Ok(())
-    }
-
     /// Makes this GPU's context current on the calling thread.
     pub fn bind(&self) -> Result<(), GpuError> {
         Ok(self.ctx.bind_to_thread()?)
@@ -191,6 +182,14 @@ impl Gpu {
         args: &[&dyn KernelArg],
     ) -> Result<(), GpuError> {
         let f = self.function(name);
+        if config.shared_mem_bytes > 48 << 10 {
+            // Above the default limit a kernel must opt in (once is enough;
+            // the call is cheap).
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                config.shared_mem_bytes as i32,
+            )?;
+        }
         let mut builder = self.stream.launch_builder(f);
         for a in args {
             a.push(&mut builder);
@@ -202,8 +201,10 @@ impl Gpu {
         Ok(())
     }
 
-    /// `y[n, rows] = x[n, cols] . w[rows, cols]^T + beta * y`: BF16 weights
-    /// and activations (row-major), f32 output and accumulation.
+    /// `y[n, rows] = x[n, cols] . w[rows, cols]^T (+ y when accumulate)`:
+    /// BF16 weights and activations (row-major), f32 output and accumulation.
+    /// Up to 8 tokens go to our GEMV kernel (bandwidth-bound decode), more to
+    /// cuBLAS.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_bf16(
         &self,
@@ -213,9 +214,56 @@ impl Gpu {
         n: usize,
         rows: usize,
         cols: usize,
-        beta: f32,
+        accumulate: bool,
+    ) -> Result<(), GpuError> {
+        if n <= 8 && cols.is_multiple_of(8) {
+            return self.gemv_bf16(w, x, y, n, rows, cols, accumulate);
+        }
+        self.cublas_gemm_bf16(w, x, y, n, rows, cols, accumulate)
+    }
+
+    /// `gemm_bf16` through our GEMV kernel (n at most 8, cols a multiple of 8).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_bf16(
+        &self,
+        w: DevPtr,
+        x: DevPtr,
+        y: DevPtr,
+        n: usize,
+        rows: usize,
+        cols: usize,
+        accumulate: bool,
+    ) -> Result<(), GpuError> {
+        let name = match n {
+            1 => "gemv_bf16_n1",
+            2 => "gemv_bf16_n2",
+            3 | 4 => "gemv_bf16_n4",
+            5..=8 => "gemv_bf16_n8",
+            _ => return Err(GpuError::Other(format!("GEMV of {n} tokens"))),
+        };
+        // SAFETY: as for cuBLAS below; the kernel reads whole 16-byte groups
+        // of columns (cols is a multiple of 8).
+        self.launch(
+            name,
+            grid((rows.div_ceil(8) as u32, 1, 1), 128, 0),
+            &[&w, &x, &y, &(n as i32), &(rows as i32), &(cols as i32), &i32::from(accumulate)],
+        )
+    }
+
+    /// `gemm_bf16` through cuBLAS.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cublas_gemm_bf16(
+        &self,
+        w: DevPtr,
+        x: DevPtr,
+        y: DevPtr,
+        n: usize,
+        rows: usize,
+        cols: usize,
+        accumulate: bool,
     ) -> Result<(), GpuError> {
         let alpha = 1.0f32;
+        let beta = if accumulate { 1.0f32 } else { 0.0 };
         // Column-major view: y^T[rows, n] = w[cols, rows]^T . x^T[cols, n].
         // SAFETY: w holds rows x cols bf16, x n x cols bf16, y n x rows f32.
         unsafe {
@@ -311,10 +359,12 @@ mod tests {
         assert_eq!(
             names,
             [
-                "attention_decode_hd64",
-                "attention_decode_hd128",
                 "attention_prefill_hd64",
                 "attention_prefill_hd128",
+                "attention_decode_hd64_g4",
+                "attention_decode_hd64_g8",
+                "attention_decode_hd128_g4",
+                "attention_decode_hd128_g8",
                 "attention_combine"
             ]
         );

@@ -18,9 +18,10 @@ use crate::model::{Llama, LlamaConfig, Logits, SeqChunk};
 /// BF16 values as their bits.
 type Bf16 = u16;
 
-/// Rows of one attention block: decode (one query token, up to 8 query heads
-/// per KV head) and prefill launches (query tokens x heads). Keys per tile.
-const DECODE_ROWS: usize = 8;
+/// Query heads per KV head the decode kernels take (more go through the
+/// prefill kernel); rows (query tokens x heads) of one prefill block; keys per
+/// tile (and the unit of a decode split).
+const DECODE_GROUP_MAX: usize = 8;
 const PREFILL_ROWS: usize = 64;
 const KEY_TILE: usize = 64;
 
@@ -93,23 +94,11 @@ impl CudaLlama {
         Ok(())
     }
 
-    fn allow_attention_smem(gpu: &Gpu, head_dim: usize) -> Result<(), GpuError> {
-        gpu.allow_shared_memory(
-            &format!("attention_prefill_hd{head_dim}"),
-            attention_smem(head_dim, PREFILL_ROWS),
-        )?;
-        gpu.allow_shared_memory(
-            &format!("attention_decode_hd{head_dim}"),
-            attention_smem(head_dim, DECODE_ROWS),
-        )
-    }
-
     /// Copies a CPU model's weights to the GPU, dequantizing Q4_1 and Q8_0
     /// blocks to BF16 there.
     pub fn from_host(gpu: Arc<Gpu>, model: &Llama) -> Result<CudaLlama, GpuError> {
         let c = model.config.clone();
         Self::check_shape(&c)?;
-        Self::allow_attention_smem(&gpu, c.head_dim)?;
         gpu.bind()?;
         let (embed_w, layers_w, norm_w, head_w) = model.parts();
         let (h, q, kv, ffn) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
@@ -166,7 +155,6 @@ impl CudaLlama {
     pub fn synthetic(gpu: Arc<Gpu>, config: LlamaConfig, seed: u64) -> Result<CudaLlama, GpuError> {
         let c = config;
         Self::check_shape(&c)?;
-        Self::allow_attention_smem(&gpu, c.head_dim)?;
         gpu.bind()?;
         let (h, q, kv, ffn) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
         let mut next_seed = seed;
@@ -204,6 +192,22 @@ impl CudaLlama {
             norm,
             lm_head,
         })
+    }
+
+    /// Each layer matrix kind with every layer's copy, as (name, addresses,
+    /// rows, cols): for GEMM measurements over more bytes than L2 holds.
+    pub fn layer_matrices(&self) -> Vec<(&'static str, Vec<DevPtr>, usize, usize)> {
+        let c = &self.config;
+        let (h, q, kv, ffn) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
+        let all = |f: fn(&CudaLayer) -> &CudaSlice<Bf16>| {
+            self.layers.iter().map(|l| self.gpu.ptr(f(l), 0)).collect::<Vec<_>>()
+        };
+        vec![
+            ("qkv", all(|l| &l.wqkv), q + 2 * kv, h),
+            ("o", all(|l| &l.wo), h, q),
+            ("gate_up", all(|l| &l.w_gate_up), 2 * ffn, h),
+            ("down", all(|l| &l.w_down), h, ffn),
+        ]
     }
 
     /// Bytes of weights one decode step reads (every layer's matrices and the
@@ -258,7 +262,7 @@ impl CudaLlama {
                 grid((n32, 1, 1), 256, 0),
                 &[&x, &null, &p(&layer.attn_norm), &xn, &h32, &eps],
             )?;
-            gpu.gemm_bf16(b(&layer.wqkv), xn, qkv, n, q_dim + 2 * kv_dim, h, 0.0)?;
+            gpu.gemm_bf16(b(&layer.wqkv), xn, qkv, n, q_dim + 2 * kv_dim, h, false)?;
             gpu.launch(
                 "rope_store_kv",
                 grid((n32, 1, 1), 128, 0),
@@ -276,19 +280,19 @@ impl CudaLlama {
                 ],
             )?;
             launch_attention(gpu, c, ws, &plan, &meta, qb, k_cache, v_cache, attn)?;
-            gpu.gemm_bf16(b(&layer.wo), attn, x, n, h, q_dim, 1.0)?;
+            gpu.gemm_bf16(b(&layer.wo), attn, x, n, h, q_dim, true)?;
             gpu.launch(
                 "rms_norm",
                 grid((n32, 1, 1), 256, 0),
                 &[&x, &null, &p(&layer.ffn_norm), &xn, &h32, &eps],
             )?;
-            gpu.gemm_bf16(b(&layer.w_gate_up), xn, gate_up, n, 2 * ffn, h, 0.0)?;
+            gpu.gemm_bf16(b(&layer.w_gate_up), xn, gate_up, n, 2 * ffn, h, false)?;
             gpu.launch(
                 "silu_mul",
                 elementwise(n * ffn),
                 &[&gate_up, &act, &(ffn as i32), &(n as u64)],
             )?;
-            gpu.gemm_bf16(b(&layer.w_down), act, x, n, h, ffn, 1.0)?;
+            gpu.gemm_bf16(b(&layer.w_down), act, x, n, h, ffn, true)?;
         }
 
         let mut results: Vec<ChunkResult> = Vec::with_capacity(chunks.len());
@@ -300,7 +304,7 @@ impl CudaLlama {
                 &[&x, &meta.logit_rows, &p(&self.norm), &head_in, &h32, &eps],
             )?;
             let head = b(self.lm_head.as_ref().unwrap_or(&self.embed));
-            gpu.gemm_bf16(head, head_in, p(&ws.logits), m, c.vocab, h, 0.0)?;
+            gpu.gemm_bf16(head, head_in, p(&ws.logits), m, c.vocab, h, false)?;
         }
         let per_chunk = plan.logits_per_chunk.iter().copied();
         match output {
@@ -359,19 +363,16 @@ pub(crate) fn launch_attention(
     let scale = 1.0 / (hd as f32).sqrt();
     // The kernels' parameters (ATTN_ARGS in attention.cu), in order.
     let launch = |name: String, items: DevPtr, count: usize, splits: usize, per_split: usize| {
-        let (rows, threads) = if name.contains("decode") {
-            (DECODE_ROWS, 128)
+        // Decode kernels use static shared memory only.
+        let smem = if name.contains("decode") {
+            0
         } else {
-            (PREFILL_ROWS, 256)
+            attention_smem(hd, PREFILL_ROWS)
         };
         let (splits, per_split) = (splits as i32, per_split as i32);
         gpu.launch(
             &name,
-            grid(
-                (count as u32, c.n_kv_heads as u32, splits as u32),
-                threads,
-                attention_smem(hd, rows),
-            ),
+            grid((count as u32, c.n_kv_heads as u32, splits as u32), 256, smem),
             &[
                 &q,
                 &k_cache,
@@ -394,8 +395,9 @@ pub(crate) fn launch_attention(
     let decode_items = plan.decode_items.len() / 4;
     if decode_items > 0 {
         let splits = plan.decode_splits;
+        let g = if c.n_heads / c.n_kv_heads <= 4 { 4 } else { 8 };
         launch(
-            format!("attention_decode_hd{hd}"),
+            format!("attention_decode_hd{hd}_g{g}"),
             meta.decode_items,
             decode_items,
             splits,
@@ -683,7 +685,7 @@ impl StepPlan {
             p.tables
                 .extend(std::iter::repeat_n(0, p.max_blocks - ch.block_table.len()));
             let len = ch.tokens.len();
-            if len == 1 && group <= DECODE_ROWS {
+            if len == 1 && group <= DECODE_GROUP_MAX {
                 p.decode_items
                     .extend([ci as i32, first_row as i32, 1, ch.start as i32]);
                 p.decode_rows.push(first_row as i32);

@@ -31,6 +31,10 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         source: include_str!("kernels/layers.cu"),
     },
     KernelFile {
+        name: "gemv.cu",
+        source: include_str!("kernels/gemv.cu"),
+    },
+    KernelFile {
         name: "attention.cu",
         source: include_str!("kernels/attention.cu"),
     },

@@ -150,6 +150,31 @@ fn rms_norm_silu_and_argmax_match_the_cpu() {
     );
 }
 
+#[test]
+fn gemv_and_cublas_gemm_match_the_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let (rows, cols) = (100, 264);
+    let w = from_bf16(&to_bf16(&values(rows * cols, 21)));
+    let dw = gpu.upload(&to_bf16(&w)).unwrap();
+    for n in [1usize, 3, 8, 12] {
+        let x = from_bf16(&to_bf16(&values(n * cols, 22 + n as u64)));
+        let dx = gpu.upload(&to_bf16(&x)).unwrap();
+        let start = values(n * rows, 30);
+        let y = gpu.upload(&start).unwrap();
+        // Accumulate onto `start`: y = start + x . w^T.
+        gpu.gemm_bf16(gpu.ptr(&dw, 0), gpu.ptr(&dx, 0), gpu.ptr(&y, 0), n, rows, cols, true)
+            .unwrap();
+        let got = gpu.download(&y, n * rows).unwrap();
+        for j in 0..n {
+            for r in 0..rows {
+                let want = start[j * rows + r] + dot(&w[r * cols..(r + 1) * cols], &x[j * cols..(j + 1) * cols]);
+                let g = got[j * rows + r];
+                assert!((g - want).abs() <= 1e-3 * want.abs().max(1.0), "n={n} [{j},{r}]: {g} vs {want}");
+            }
+        }
+    }
+}
+
 fn tiny_config(head_dim: usize, n_heads: usize, n_kv_heads: usize) -> LlamaConfig {
     LlamaConfig {
         n_layers: 1,

@@ -8,10 +8,11 @@
 // tables[seq * max_blocks + key / block_size], slot key % block_size.
 //
 // Grid: (item, KV head, split). A block takes the query heads that share its KV
-// head (GQA) for every query token of its item: R = n_q * group rows, at most
-// MAXR. Decode launches (one query token per item) split the keys across blocks
+// head (GQA) for every query token of its item. Decode launches (one query
+// token per item, `attention_decode_*`) split the keys across blocks
 // (flash-decoding) and `attention_combine` merges the splits; prefill launches
-// use items of several query tokens and one split.
+// (`attention_prefill_*`: R = n_q * group rows, at most MAXR, K and V tiles in
+// shared memory) use items of several query tokens and one split.
 //
 // Scores are computed on CUDA cores in f32; tensor-core tiles are the next step
 // (BENCHMARKS.md says what this costs in prefill).
@@ -163,12 +164,130 @@ __device__ __forceinline__ void attention_tile_loop(
 #define ATTN_PASS q, k_cache, v_cache, tables, max_blocks, block_size, items, n_heads, n_kv_heads, scale, \
                   n_splits, keys_per_split, out, part_acc, part_ml
 
-// Decode: one query token per item, up to 8 query heads per KV head.
-extern "C" __global__ void __launch_bounds__(128) attention_decode_hd64(ATTN_ARGS) {
-    attention_tile_loop<64, 8, 128, 64>(ATTN_PASS);
+// Decode: one query token per item. Each warp streams its share of the keys
+// straight from the paged cache (no shared-memory tiles, no barriers): lane l
+// holds dims [l * D, (l + 1) * D) of each of the group's query heads, scores
+// are warp sums, the softmax is online per head, and KEYS keys are loaded
+// before any is used so that enough bytes are in flight. The block's warps are
+// merged through shared memory at the end. G: query heads per KV head, at most.
+template <int HD, int G>
+__device__ __forceinline__ void attention_decode_stream(ATTN_ARGS) {
+    constexpr int D = HD / 32;  // 2 or 4 BF16 values a lane
+    constexpr int KEYS = 4;
+    constexpr int WARPS = 8;
+    __shared__ float sm_m[WARPS][G], sm_l[WARPS][G];
+    __shared__ float sm_acc[WARPS][G][HD];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int* item = items + 4 * blockIdx.x;
+    const int seq = item[0], q_row = item[1], q_pos = item[3];
+    const int kvh = blockIdx.y, split = blockIdx.z;
+    const int group = n_heads / n_kv_heads;
+    const int q_dim = n_heads * HD, kv_dim = n_kv_heads * HD;
+    const int k_begin = split * keys_per_split;
+    const int k_end = min(q_pos + 1, k_begin + keys_per_split);
+    const int* table = tables + (u64)seq * max_blocks;
+
+    float qf[G][D], acc[G][D], m[G], l[G];
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int d = 0; d < D; d++) {
+            acc[g][d] = 0.0f;
+            qf[g][d] = g < group ? bf16_to_f32(q[(u64)q_row * q_dim + (kvh * group + g) * HD + lane * D + d]) * scale
+                                 : 0.0f;
+        }
+    }
+    for (int k0 = k_begin + warp * KEYS; k0 < k_end; k0 += WARPS * KEYS) {
+        float kf[KEYS][D], vf[KEYS][D];
+#pragma unroll
+        for (int u = 0; u < KEYS; u++) {
+            const int key = k0 + u;
+            if (key < k_end) {
+                const u64 slot = (u64)table[key / block_size] * block_size + key % block_size;
+                const u64 at = slot * kv_dim + kvh * HD + lane * D;
+                if constexpr (D == 4) {
+                    const uint2 kw = *(const uint2*)(k_cache + at), vw = *(const uint2*)(v_cache + at);
+                    kf[u][0] = bf16_lo(kw.x); kf[u][1] = bf16_hi(kw.x); kf[u][2] = bf16_lo(kw.y); kf[u][3] = bf16_hi(kw.y);
+                    vf[u][0] = bf16_lo(vw.x); vf[u][1] = bf16_hi(vw.x); vf[u][2] = bf16_lo(vw.y); vf[u][3] = bf16_hi(vw.y);
+                } else {
+                    const u32 kw = *(const u32*)(k_cache + at), vw = *(const u32*)(v_cache + at);
+                    kf[u][0] = bf16_lo(kw); kf[u][1] = bf16_hi(kw);
+                    vf[u][0] = bf16_lo(vw); vf[u][1] = bf16_hi(vw);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < KEYS; u++) {
+            if (k0 + u >= k_end) break;
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                if (g >= group) break;
+                float s = 0.0f;
+#pragma unroll
+                for (int d = 0; d < D; d++) s = fmaf(qf[g][d], kf[u][d], s);
+                s = warp_sum(s);
+                const float m_new = fmaxf(m[g], s);
+                const float corr = expf(m[g] - m_new);  // 0 while m[g] is -inf
+                const float p = expf(s - m_new);
+                l[g] = l[g] * corr + p;
+#pragma unroll
+                for (int d = 0; d < D; d++) acc[g][d] = fmaf(acc[g][d], corr, p * vf[u][d]);
+                m[g] = m_new;
+            }
+        }
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            sm_m[warp][g] = m[g];
+            sm_l[warp][g] = l[g];
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < G; g++)
+#pragma unroll
+        for (int d = 0; d < D; d++) sm_acc[warp][g][lane * D + d] = acc[g][d];
+    __syncthreads();
+    for (int i = threadIdx.x; i < group * HD; i += blockDim.x) {
+        const int g = i / HD, d = i % HD;
+        float mx = NEG_INF;
+        for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, sm_m[w][g]);
+        float lsum = 0.0f, a = 0.0f;
+        if (mx != NEG_INF) {
+            for (int w = 0; w < WARPS; w++) {
+                if (sm_m[w][g] == NEG_INF) continue;
+                const float f = expf(sm_m[w][g] - mx);
+                lsum += sm_l[w][g] * f;
+                a += sm_acc[w][g][d] * f;
+            }
+        }
+        const int head = kvh * group + g;
+        if (n_splits == 1) {
+            out[(u64)q_row * q_dim + head * HD + d] = f32_to_bf16(lsum > 0.0f ? a / lsum : 0.0f);
+        } else {
+            const u64 at = ((u64)q_row * n_heads + head) * n_splits + split;
+            part_acc[at * HD + d] = a;
+            if (d == 0) {
+                part_ml[2 * at] = mx;
+                part_ml[2 * at + 1] = lsum;
+            }
+        }
+    }
 }
-extern "C" __global__ void __launch_bounds__(128) attention_decode_hd128(ATTN_ARGS) {
-    attention_tile_loop<128, 8, 128, 64>(ATTN_PASS);
+
+extern "C" __global__ void __launch_bounds__(256) attention_decode_hd64_g4(ATTN_ARGS) {
+    attention_decode_stream<64, 4>(ATTN_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) attention_decode_hd64_g8(ATTN_ARGS) {
+    attention_decode_stream<64, 8>(ATTN_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) attention_decode_hd128_g4(ATTN_ARGS) {
+    attention_decode_stream<128, 4>(ATTN_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) attention_decode_hd128_g8(ATTN_ARGS) {
+    attention_decode_stream<128, 8>(ATTN_PASS);
 }
 // Prefill: up to 64 rows (query tokens x query heads of a KV head) per item.
 extern "C" __global__ void __launch_bounds__(256) attention_prefill_hd64(ATTN_ARGS) {
