@@ -234,18 +234,19 @@ impl Gpu {
         cols: usize,
         accumulate: bool,
     ) -> Result<(), GpuError> {
-        let name = match n {
-            1 => "gemv_bf16_n1",
-            2 => "gemv_bf16_n2",
-            3 | 4 => "gemv_bf16_n4",
-            5..=8 => "gemv_bf16_n8",
+        // Kernel and rows per block (gemv.cu).
+        let (name, rows_per_block) = match n {
+            1 => ("gemv_bf16_n1", 2),
+            2 => ("gemv_bf16_n2", 4),
+            3 | 4 => ("gemv_bf16_n4", 4),
+            5..=8 => ("gemv_bf16_n8", 8),
             _ => return Err(GpuError::Other(format!("GEMV of {n} tokens"))),
         };
         // SAFETY: as for cuBLAS below; the kernel reads whole 16-byte groups
         // of columns (cols is a multiple of 8).
         self.launch(
             name,
-            grid((rows.div_ceil(8) as u32, 1, 1), 128, 0),
+            grid((rows.div_ceil(rows_per_block) as u32, 1, 1), 128, 0),
             &[&w, &x, &y, &(n as i32), &(rows as i32), &(cols as i32), &i32::from(accumulate)],
         )
     }
@@ -359,12 +360,12 @@ mod tests {
         assert_eq!(
             names,
             [
-                "attention_prefill_hd64",
-                "attention_prefill_hd128",
                 "attention_decode_hd64_g4",
                 "attention_decode_hd64_g8",
                 "attention_decode_hd128_g4",
                 "attention_decode_hd128_g8",
+                "attention_prefill_hd64",
+                "attention_prefill_hd128",
                 "attention_combine"
             ]
         );

@@ -363,16 +363,16 @@ pub(crate) fn launch_attention(
     let scale = 1.0 / (hd as f32).sqrt();
     // The kernels' parameters (ATTN_ARGS in attention.cu), in order.
     let launch = |name: String, items: DevPtr, count: usize, splits: usize, per_split: usize| {
-        // Decode kernels use static shared memory only.
-        let smem = if name.contains("decode") {
-            0
+        // Decode kernels: 4 warps, static shared memory only.
+        let (threads, smem) = if name.contains("decode") {
+            (128, 0)
         } else {
-            attention_smem(hd, PREFILL_ROWS)
+            (256, attention_smem(hd, PREFILL_ROWS))
         };
         let (splits, per_split) = (splits as i32, per_split as i32);
         gpu.launch(
             &name,
-            grid((count as u32, c.n_kv_heads as u32, splits as u32), 256, smem),
+            grid((count as u32, c.n_kv_heads as u32, splits as u32), threads, smem),
             &[
                 &q,
                 &k_cache,

@@ -164,17 +164,19 @@ __device__ __forceinline__ void attention_tile_loop(
 #define ATTN_PASS q, k_cache, v_cache, tables, max_blocks, block_size, items, n_heads, n_kv_heads, scale, \
                   n_splits, keys_per_split, out, part_acc, part_ml
 
-// Decode: one query token per item. Each warp streams its share of the keys
-// straight from the paged cache (no shared-memory tiles, no barriers): lane l
-// holds dims [l * D, (l + 1) * D) of each of the group's query heads, scores
-// are warp sums, the softmax is online per head, and KEYS keys are loaded
-// before any is used so that enough bytes are in flight. The block's warps are
-// merged through shared memory at the end. G: query heads per KV head, at most.
+// Decode: one query token per item. Each warp takes tiles of 32 keys, one key
+// per lane: a lane reads its key's whole K row (16-byte loads) and scores it
+// against the group's query heads (from shared memory), the tile's softmax is
+// two warp reductions per head, then the lanes switch roles for P.V: lane l
+// owns dims [l * D, (l + 1) * D) of every head and walks the tile's V rows
+// (coalesced), taking each key's probability by shuffle. No barriers inside
+// the loop; the block's 4 warps are merged through shared memory at the end.
+// G: query heads per KV head, at most.
 template <int HD, int G>
-__device__ __forceinline__ void attention_decode_stream(ATTN_ARGS) {
-    constexpr int D = HD / 32;  // 2 or 4 BF16 values a lane
-    constexpr int KEYS = 4;
-    constexpr int WARPS = 8;
+__device__ __forceinline__ void attention_decode_tiles(ATTN_ARGS) {
+    constexpr int D = HD / 32;  // 2 or 4 output dims a lane
+    constexpr int WARPS = 4;
+    __shared__ __align__(16) float sm_q[G][HD];
     __shared__ float sm_m[WARPS][G], sm_l[WARPS][G];
     __shared__ float sm_acc[WARPS][G][HD];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -187,54 +189,75 @@ __device__ __forceinline__ void attention_decode_stream(ATTN_ARGS) {
     const int k_end = min(q_pos + 1, k_begin + keys_per_split);
     const int* table = tables + (u64)seq * max_blocks;
 
-    float qf[G][D], acc[G][D], m[G], l[G];
+    for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
+        const int g = i / HD, d = i % HD;
+        sm_q[g][d] = g < group ? bf16_to_f32(q[(u64)q_row * q_dim + (kvh * group + g) * HD + d]) * scale : 0.0f;
+    }
+    __syncthreads();
+
+    float acc[G][D], m[G], l[G];
 #pragma unroll
     for (int g = 0; g < G; g++) {
         m[g] = NEG_INF;
         l[g] = 0.0f;
 #pragma unroll
-        for (int d = 0; d < D; d++) {
-            acc[g][d] = 0.0f;
-            qf[g][d] = g < group ? bf16_to_f32(q[(u64)q_row * q_dim + (kvh * group + g) * HD + lane * D + d]) * scale
-                                 : 0.0f;
-        }
+        for (int d = 0; d < D; d++) acc[g][d] = 0.0f;
     }
-    for (int k0 = k_begin + warp * KEYS; k0 < k_end; k0 += WARPS * KEYS) {
-        float kf[KEYS][D], vf[KEYS][D];
+    for (int k0 = k_begin + warp * 32; k0 < k_end; k0 += WARPS * 32) {
+        const int key = k0 + lane;
+        const bool valid = key < k_end;
+        u64 row = 0;
+        if (valid) row = ((u64)table[key / block_size] * block_size + key % block_size) * kv_dim + kvh * HD;
+        // Scores: this lane's key against every head.
+        float s[G];
 #pragma unroll
-        for (int u = 0; u < KEYS; u++) {
-            const int key = k0 + u;
-            if (key < k_end) {
-                const u64 slot = (u64)table[key / block_size] * block_size + key % block_size;
-                const u64 at = slot * kv_dim + kvh * HD + lane * D;
-                if constexpr (D == 4) {
-                    const uint2 kw = *(const uint2*)(k_cache + at), vw = *(const uint2*)(v_cache + at);
-                    kf[u][0] = bf16_lo(kw.x); kf[u][1] = bf16_hi(kw.x); kf[u][2] = bf16_lo(kw.y); kf[u][3] = bf16_hi(kw.y);
-                    vf[u][0] = bf16_lo(vw.x); vf[u][1] = bf16_hi(vw.x); vf[u][2] = bf16_lo(vw.y); vf[u][3] = bf16_hi(vw.y);
-                } else {
-                    const u32 kw = *(const u32*)(k_cache + at), vw = *(const u32*)(v_cache + at);
-                    kf[u][0] = bf16_lo(kw); kf[u][1] = bf16_hi(kw);
-                    vf[u][0] = bf16_lo(vw); vf[u][1] = bf16_hi(vw);
+        for (int g = 0; g < G; g++) s[g] = 0.0f;
+        if (valid) {
+            const uint4* kr = (const uint4*)(k_cache + row);
+#pragma unroll 4
+            for (int c = 0; c < HD / 8; c++) {
+                const uint4 kw = kr[c];
+                const float k8[8] = {bf16_lo(kw.x), bf16_hi(kw.x), bf16_lo(kw.y), bf16_hi(kw.y),
+                                     bf16_lo(kw.z), bf16_hi(kw.z), bf16_lo(kw.w), bf16_hi(kw.w)};
+#pragma unroll
+                for (int g = 0; g < G; g++) {
+                    const float4 qa = *(const float4*)&sm_q[g][c * 8];
+                    const float4 qb = *(const float4*)&sm_q[g][c * 8 + 4];
+                    s[g] += qa.x * k8[0] + qa.y * k8[1] + qa.z * k8[2] + qa.w * k8[3] +
+                            qb.x * k8[4] + qb.y * k8[5] + qb.z * k8[6] + qb.w * k8[7];
                 }
             }
         }
+        // The tile's softmax, per head; p[g] is this lane's key's weight.
+        float p[G];
 #pragma unroll
-        for (int u = 0; u < KEYS; u++) {
-            if (k0 + u >= k_end) break;
+        for (int g = 0; g < G; g++) {
+            const float tile_max = warp_max(valid ? s[g] : NEG_INF);
+            const float m_new = fmaxf(m[g], tile_max);
+            const float corr = expf(m[g] - m_new);  // 0 while m[g] is -inf
+            p[g] = valid ? expf(s[g] - m_new) : 0.0f;
+            l[g] = l[g] * corr + warp_sum(p[g]);
+            m[g] = m_new;
+#pragma unroll
+            for (int d = 0; d < D; d++) acc[g][d] *= corr;
+        }
+        // P.V: walk the tile's keys; this lane adds its dims of each V row.
+        const int n_keys = min(32, k_end - k0);
+        for (int j = 0; j < n_keys; j++) {
+            const u64 vrow = __shfl_sync(0xffffffffu, row, j);
+            float v[D];
+            if constexpr (D == 4) {
+                const uint2 vw = *(const uint2*)(v_cache + vrow + lane * 4);
+                v[0] = bf16_lo(vw.x); v[1] = bf16_hi(vw.x); v[2] = bf16_lo(vw.y); v[3] = bf16_hi(vw.y);
+            } else {
+                const u32 vw = *(const u32*)(v_cache + vrow + lane * 2);
+                v[0] = bf16_lo(vw); v[1] = bf16_hi(vw);
+            }
 #pragma unroll
             for (int g = 0; g < G; g++) {
-                if (g >= group) break;
-                float s = 0.0f;
+                const float pj = __shfl_sync(0xffffffffu, p[g], j);
 #pragma unroll
-                for (int d = 0; d < D; d++) s = fmaf(qf[g][d], kf[u][d], s);
-                s = warp_sum(s);
-                const float m_new = fmaxf(m[g], s);
-                const float corr = expf(m[g] - m_new);  // 0 while m[g] is -inf
-                const float p = expf(s - m_new);
-                l[g] = l[g] * corr + p;
-#pragma unroll
-                for (int d = 0; d < D; d++) acc[g][d] = fmaf(acc[g][d], corr, p * vf[u][d]);
-                m[g] = m_new;
+                for (int d = 0; d < D; d++) acc[g][d] = fmaf(pj, v[d], acc[g][d]);
             }
         }
     }
@@ -277,17 +300,17 @@ __device__ __forceinline__ void attention_decode_stream(ATTN_ARGS) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) attention_decode_hd64_g4(ATTN_ARGS) {
-    attention_decode_stream<64, 4>(ATTN_PASS);
+extern "C" __global__ void __launch_bounds__(128) attention_decode_hd64_g4(ATTN_ARGS) {
+    attention_decode_tiles<64, 4>(ATTN_PASS);
 }
-extern "C" __global__ void __launch_bounds__(256) attention_decode_hd64_g8(ATTN_ARGS) {
-    attention_decode_stream<64, 8>(ATTN_PASS);
+extern "C" __global__ void __launch_bounds__(128) attention_decode_hd64_g8(ATTN_ARGS) {
+    attention_decode_tiles<64, 8>(ATTN_PASS);
 }
-extern "C" __global__ void __launch_bounds__(256) attention_decode_hd128_g4(ATTN_ARGS) {
-    attention_decode_stream<128, 4>(ATTN_PASS);
+extern "C" __global__ void __launch_bounds__(128) attention_decode_hd128_g4(ATTN_ARGS) {
+    attention_decode_tiles<128, 4>(ATTN_PASS);
 }
-extern "C" __global__ void __launch_bounds__(256) attention_decode_hd128_g8(ATTN_ARGS) {
-    attention_decode_stream<128, 8>(ATTN_PASS);
+extern "C" __global__ void __launch_bounds__(128) attention_decode_hd128_g8(ATTN_ARGS) {
+    attention_decode_tiles<128, 8>(ATTN_PASS);
 }
 // Prefill: up to 64 rows (query tokens x query heads of a KV head) per item.
 extern "C" __global__ void __launch_bounds__(256) attention_prefill_hd64(ATTN_ARGS) {

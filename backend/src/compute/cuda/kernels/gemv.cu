@@ -1,8 +1,9 @@
 // Skinny GEMMs for decode (n <= 8 tokens): y[j, r] = sum_c w[r, c] x[j, c]
 // (+ y[j, r] when accumulate), BF16 weights and activations, f32 out. The
-// weights are read once, 16 bytes per lane per load, with ROWS rows per warp
-// and UNROLL loads per row in flight, so enough bytes are in the air to keep
-// HBM busy; x (a few KB) comes from L1. cols must be a multiple of 8.
+// weights are read once, 16 bytes per thread per load, UNROLL loads per row
+// in flight, so enough bytes are in the air to keep HBM busy; x (a few KB)
+// comes from L1. cols must be a multiple of 8. This is also the shape the FP4
+// kernels take (dequantize in registers, then the same sums).
 
 __device__ __forceinline__ float dot8(uint4 w, const float* x) {
     return bf16_lo(w.x) * x[0] + bf16_hi(w.x) * x[1] + bf16_lo(w.y) * x[2] + bf16_hi(w.y) * x[3] +
@@ -14,19 +15,23 @@ __device__ __forceinline__ void unpack8(uint4 v, float* f) {
     f[4] = bf16_lo(v.z); f[5] = bf16_hi(v.z); f[6] = bf16_lo(v.w); f[7] = bf16_hi(v.w);
 }
 
+// A block of 4 warps takes ROWS rows; its 128 threads split the columns
+// (thread t reads columns 8t .. 8t + 7 of every 1024), so short and long rows
+// alike give many blocks and many loads in flight; partial sums meet in shared
+// memory in a fixed order (deterministic).
 template <int N, int ROWS, int UNROLL>
 __device__ __forceinline__ void gemv(const bf16* __restrict__ w, const bf16* __restrict__ x, float* __restrict__ y,
                                      int n, int rows, int cols, int accumulate) {
+    constexpr int THREADS = 128, STEP = THREADS * 8;
+    __shared__ float partial[THREADS / 32][ROWS][N];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int row0 = (blockIdx.x * (blockDim.x >> 5) + warp) * ROWS;
-    if (row0 >= rows) return;
+    const int row0 = blockIdx.x * ROWS;
     float acc[ROWS][N];
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
 #pragma unroll
         for (int j = 0; j < N; j++) acc[r][j] = 0.0f;
-    constexpr int STEP = 32 * 8;  // columns a warp covers per load
-    for (int c0 = lane * 8; c0 < cols; c0 += STEP * UNROLL) {
+    for (int c0 = threadIdx.x * 8; c0 < cols; c0 += STEP * UNROLL) {
         uint4 wv[UNROLL][ROWS];
 #pragma unroll
         for (int u = 0; u < UNROLL; u++) {
@@ -58,17 +63,25 @@ __device__ __forceinline__ void gemv(const bf16* __restrict__ w, const bf16* __r
 #pragma unroll
         for (int j = 0; j < N; j++) {
             const float s = warp_sum(acc[r][j]);
-            if (lane == 0 && j < n && row0 + r < rows) {
-                float* out = y + (u64)j * rows + row0 + r;
-                *out = accumulate ? *out + s : s;
-            }
+            if (lane == 0) partial[warp][r][j] = s;
         }
+    __syncthreads();
+    for (int i = threadIdx.x; i < ROWS * N; i += THREADS) {
+        const int r = i / N, j = i % N;
+        if (j < n && row0 + r < rows) {
+            float s = 0.0f;
+#pragma unroll
+            for (int wi = 0; wi < THREADS / 32; wi++) s += partial[wi][r][j];
+            float* out = y + (u64)j * rows + row0 + r;
+            *out = accumulate ? *out + s : s;
+        }
+    }
 }
 
-// Block: 4 warps, 2 rows each (8 rows a block).
+// Rows per block: N=1: 2, N=2: 4, N=4: 4, N=8: 8 (keep in step with device.rs).
 #define GEMV_ARGS const bf16 *__restrict__ w, const bf16 *__restrict__ x, float *__restrict__ y, int n, int rows, \
                   int cols, int accumulate
 extern "C" __global__ void __launch_bounds__(128) gemv_bf16_n1(GEMV_ARGS) { gemv<1, 2, 4>(w, x, y, n, rows, cols, accumulate); }
-extern "C" __global__ void __launch_bounds__(128) gemv_bf16_n2(GEMV_ARGS) { gemv<2, 2, 4>(w, x, y, n, rows, cols, accumulate); }
-extern "C" __global__ void __launch_bounds__(128) gemv_bf16_n4(GEMV_ARGS) { gemv<4, 2, 4>(w, x, y, n, rows, cols, accumulate); }
-extern "C" __global__ void __launch_bounds__(128) gemv_bf16_n8(GEMV_ARGS) { gemv<8, 2, 2>(w, x, y, n, rows, cols, accumulate); }
+extern "C" __global__ void __launch_bounds__(128) gemv_bf16_n2(GEMV_ARGS) { gemv<2, 4, 2>(w, x, y, n, rows, cols, accumulate); }
+extern "C" __global__ void __launch_bounds__(128) gemv_bf16_n4(GEMV_ARGS) { gemv<4, 4, 2>(w, x, y, n, rows, cols, accumulate); }
+extern "C" __global__ void __launch_bounds__(128) gemv_bf16_n8(GEMV_ARGS) { gemv<8, 8, 1>(w, x, y, n, rows, cols, accumulate); }
