@@ -194,6 +194,71 @@ fn continuous_batching_on_the_gpu_gives_the_same_tokens() {
 }
 
 #[test]
+fn decode_graphs_give_the_same_tokens_as_direct_launches() {
+    if !gpu_present() {
+        return;
+    }
+    let gpu = Gpu::open(0).unwrap();
+    let config = sluice_backend::model::LlamaConfig::preset("llama-3.2-1b").unwrap();
+    let cuda = CudaLlama::synthetic(gpu, config, 11).unwrap();
+    let mut ex = CudaExecutor::new(cuda, 256, 16).unwrap();
+    // Three sequences, prompts of different lengths, 40 greedy steps each.
+    let run = |ex: &mut CudaExecutor, graphs: bool| -> Vec<Vec<u32>> {
+        ex.set_graphs(graphs);
+        let tables: Vec<Vec<u32>> = (0..3).map(|s| (s * 64..(s + 1) * 64).collect()).collect();
+        let prompts: Vec<Vec<u32>> = (0..3)
+            .map(|s| {
+                (0..(50 + 70 * s))
+                    .map(|i| (i * 131 + s * 7) as u32 % 128_000)
+                    .collect()
+            })
+            .collect();
+        let chunks: Vec<SeqChunk<'_>> = (0..3)
+            .map(|s| SeqChunk {
+                tokens: &prompts[s],
+                start: 0,
+                block_table: &tables[s],
+                logits: Logits::Last,
+            })
+            .collect();
+        let first = ex.step(&chunks, StepOutput::Argmax).unwrap();
+        let mut out: Vec<Vec<u32>> = first
+            .into_iter()
+            .map(|r| match r {
+                ChunkResult::Tokens(t) => t,
+                ChunkResult::Logits(_) => panic!("asked for tokens"),
+            })
+            .collect();
+        for step in 0..40 {
+            let last: Vec<[u32; 1]> = out.iter().map(|t| [*t.last().unwrap()]).collect();
+            let chunks: Vec<SeqChunk<'_>> = (0..3)
+                .map(|s| SeqChunk {
+                    tokens: &last[s],
+                    start: prompts[s].len() + step,
+                    block_table: &tables[s],
+                    logits: Logits::Last,
+                })
+                .collect();
+            for (s, r) in ex
+                .step(&chunks, StepOutput::Argmax)
+                .unwrap()
+                .into_iter()
+                .enumerate()
+            {
+                let ChunkResult::Tokens(t) = r else {
+                    panic!("asked for tokens")
+                };
+                out[s].extend(t);
+            }
+        }
+        out
+    };
+    let direct = run(&mut ex, false);
+    let graphed = run(&mut ex, true);
+    assert_eq!(direct, graphed);
+}
+
+#[test]
 fn synthetic_shapes_run_and_are_deterministic() {
     if !gpu_present() {
         return;

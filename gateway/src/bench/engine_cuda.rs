@@ -92,6 +92,18 @@ pub fn run_cuda_engine_bench(
             json!(f.percent_of_roofline),
         );
     }
+    // The same batch-1 decode with every kernel launched from the host.
+    if options.batches.contains(&1) {
+        ex.set_graphs(false);
+        let f = decode(&mut ex, 1, options.context, options.steps, warmup)?;
+        ex.set_graphs(true);
+        let mut line = serde_json::to_value(&f)?;
+        line["bench"] = json!("decode");
+        line["engine"] = json!("sluice");
+        line["cuda_graphs"] = json!(false);
+        emit(&line);
+        summary.insert("decode_tok_s_b1_no_graphs".into(), json!(f.tokens_per_s));
+    }
     for &prompt in &options.prompts {
         let f = prefill(&mut ex, prompt, 3)?;
         let mut line = serde_json::to_value(&f)?;
@@ -119,42 +131,42 @@ fn run_torch_peer(
     summary: &mut serde_json::Map<String, Value>,
     emit: &mut impl FnMut(&Value),
 ) {
-        let batches: Vec<String> = options.batches.iter().map(|b| b.to_string()).collect();
-        let prompts: Vec<String> = options.prompts.iter().map(|p| p.to_string()).collect();
-        let out = std::process::Command::new("python3")
-            .arg(script)
-            .args(["--shape", &shape, "--batches", &batches.join(",")])
-            .args(["--context", &options.context.to_string()])
-            .args([
-                "--steps",
-                &options.steps.to_string(),
-                "--prompts",
-                &prompts.join(","),
-            ])
-            .env("CUDA_VISIBLE_DEVICES", options.ordinal.to_string())
-            .output();
-        match out {
-            Ok(out) if out.status.success() => {
-                for line in String::from_utf8_lossy(&out.stdout).lines() {
-                    let Ok(v) = serde_json::from_str::<Value>(line) else {
-                        continue;
-                    };
-                    if v.get("summary").is_some() {
-                        for (k, val) in v.as_object().into_iter().flatten() {
-                            if k.starts_with("decode_tok_s") || k.starts_with("prefill_tok_s") {
-                                summary.insert(format!("torch_{k}"), val.clone());
-                            }
+    let batches: Vec<String> = options.batches.iter().map(|b| b.to_string()).collect();
+    let prompts: Vec<String> = options.prompts.iter().map(|p| p.to_string()).collect();
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .args(["--shape", &shape, "--batches", &batches.join(",")])
+        .args(["--context", &options.context.to_string()])
+        .args([
+            "--steps",
+            &options.steps.to_string(),
+            "--prompts",
+            &prompts.join(","),
+        ])
+        .env("CUDA_VISIBLE_DEVICES", options.ordinal.to_string())
+        .output();
+    match out {
+        Ok(out) if out.status.success() => {
+            for line in String::from_utf8_lossy(&out.stdout).lines() {
+                let Ok(v) = serde_json::from_str::<Value>(line) else {
+                    continue;
+                };
+                if v.get("summary").is_some() {
+                    for (k, val) in v.as_object().into_iter().flatten() {
+                        if k.starts_with("decode_tok_s") || k.starts_with("prefill_tok_s") {
+                            summary.insert(format!("torch_{k}"), val.clone());
                         }
-                    } else {
-                        emit(&v);
                     }
+                } else {
+                    emit(&v);
                 }
             }
-            Ok(out) => {
-                let err = String::from_utf8_lossy(&out.stderr);
-                emit(&json!({"bench": "peer", "engine": "pytorch+transformers",
-                             "skipped": err.lines().rev().take(5).collect::<Vec<_>>()}));
-            }
-            Err(e) => emit(&json!({"bench": "peer", "skipped": e.to_string()})),
         }
+        Ok(out) => {
+            let err = String::from_utf8_lossy(&out.stderr);
+            emit(&json!({"bench": "peer", "engine": "pytorch+transformers",
+                             "skipped": err.lines().rev().take(5).collect::<Vec<_>>()}));
+        }
+        Err(e) => emit(&json!({"bench": "peer", "skipped": e.to_string()})),
+    }
 }

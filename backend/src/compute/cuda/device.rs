@@ -23,6 +23,9 @@ use super::nvrtc::{self, CompileError, KERNEL_FILES};
 /// A device address (what a kernel's pointer parameter receives).
 pub type DevPtr = u64;
 
+/// Bytes of cuBLAS workspace (its guide suggests 32 MiB on Hopper).
+const BLAS_WORKSPACE: usize = 32 << 20;
+
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
     #[error("no CUDA driver (libcuda) on this machine")]
@@ -64,6 +67,9 @@ pub struct Gpu {
     pub arch: String,
     pub sm_count: u32,
     blas: CudaBlas,
+    /// cuBLAS's workspace (kept alive with the handle).
+    #[allow(dead_code)]
+    blas_workspace: CudaSlice<u8>,
     functions: HashMap<String, CudaFunction>,
 }
 
@@ -87,7 +93,9 @@ impl Gpu {
         // SAFETY: one stream does all the work, in order; no cross-stream
         // hazards for the events to guard.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of our own: the legacy default stream cannot be captured
+        // into CUDA graphs.
+        let stream = ctx.new_stream()?;
         let (major, minor) = ctx.compute_capability()?;
         let arch = arch_for(major, minor);
         let sm_count = ctx.attribute(
@@ -105,7 +113,21 @@ impl Gpu {
             tracing::debug!(file = file.name, %arch, ms = started.elapsed().as_millis() as u64, "kernels loaded");
         }
         let blas = CudaBlas::new(stream.clone()).map_err(GpuError::Blas)?;
+        // cuBLAS gets a workspace of its own, so that it allocates nothing
+        // while a graph is being captured.
+        let blas_workspace = stream.alloc_zeros::<u8>(BLAS_WORKSPACE)?;
+        {
+            let (ptr, _guard) = blas_workspace.device_ptr(&stream);
+            // SAFETY: a live handle; the buffer outlives it (both in Gpu).
+            let status = unsafe {
+                blas::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut c_void, BLAS_WORKSPACE)
+            };
+            if status != blas::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Err(GpuError::Other(format!("cublasSetWorkspace: {status:?}")));
+            }
+        }
         Ok(Arc::new(Gpu {
+            blas_workspace,
             name: ctx.name()?,
             ctx,
             stream,
@@ -203,7 +225,7 @@ impl Gpu {
 
     /// `y[n, rows] = x[n, cols] . w[rows, cols]^T (+ y when accumulate)`:
     /// BF16 weights and activations (row-major), f32 output and accumulation.
-    /// Up to 8 tokens go to our GEMV kernel (bandwidth-bound decode), more to
+    /// One token goes to our GEMV kernel (bandwidth-bound decode), more to
     /// cuBLAS.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_bf16(
@@ -216,7 +238,9 @@ impl Gpu {
         cols: usize,
         accumulate: bool,
     ) -> Result<(), GpuError> {
-        if n <= 8 && cols.is_multiple_of(8) {
+        // Measured on H200 (BENCHMARKS.md): ours beats cuBLAS at one token,
+        // cuBLAS wins from two up.
+        if n == 1 && cols.is_multiple_of(8) {
             return self.gemv_bf16(w, x, y, n, rows, cols, accumulate);
         }
         self.cublas_gemm_bf16(w, x, y, n, rows, cols, accumulate)
@@ -247,7 +271,15 @@ impl Gpu {
         self.launch(
             name,
             grid((rows.div_ceil(rows_per_block) as u32, 1, 1), 128, 0),
-            &[&w, &x, &y, &(n as i32), &(rows as i32), &(cols as i32), &i32::from(accumulate)],
+            &[
+                &w,
+                &x,
+                &y,
+                &(n as i32),
+                &(rows as i32),
+                &(cols as i32),
+                &i32::from(accumulate),
+            ],
         )
     }
 

@@ -27,6 +27,11 @@ impl CudaExecutor {
         })
     }
 
+    /// Whether pure-decode steps replay as CUDA graphs (on by default).
+    pub fn set_graphs(&mut self, on: bool) {
+        self.workspace.use_graphs = on;
+    }
+
     /// One step, with the output asked for.
     pub fn step(
         &mut self,

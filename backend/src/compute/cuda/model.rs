@@ -7,9 +7,10 @@
 //! (decode and prefill launches), the output GEMM accumulated into the
 //! residual, RMSNorm, one gate-up GEMM, SwiGLU, the down GEMM accumulated.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaGraph, CudaSlice};
 
 use super::device::{DevPtr, Gpu, GpuError, elementwise, grid};
 use crate::compute::cpu::{Quant, Weight};
@@ -22,6 +23,8 @@ type Bf16 = u16;
 /// prefill kernel); rows (query tokens x heads) of one prefill block; keys per
 /// tile (and the unit of a decode split).
 const DECODE_GROUP_MAX: usize = 8;
+/// The most blocks one decode sequence's keys are split across.
+const MAX_SPLITS: usize = 32;
 const PREFILL_ROWS: usize = 64;
 const KEY_TILE: usize = 64;
 
@@ -200,7 +203,10 @@ impl CudaLlama {
         let c = &self.config;
         let (h, q, kv, ffn) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
         let all = |f: fn(&CudaLayer) -> &CudaSlice<Bf16>| {
-            self.layers.iter().map(|l| self.gpu.ptr(f(l), 0)).collect::<Vec<_>>()
+            self.layers
+                .iter()
+                .map(|l| self.gpu.ptr(f(l), 0))
+                .collect::<Vec<_>>()
         };
         vec![
             ("qkv", all(|l| &l.wqkv), q + 2 * kv, h),
@@ -220,7 +226,10 @@ impl CudaLlama {
     }
 
     /// Runs the chunks, writing their K and V into `kv`; returns, per chunk,
-    /// what `output` asks for of the tokens that want logits.
+    /// what `output` asks for of the tokens that want logits. A step of
+    /// decode tokens only runs as a CUDA graph when `ws` has graphs on: one is
+    /// captured per batch layout (tokens, logit rows, table width, splits)
+    /// and replayed after the step's index arrays are copied in.
     pub fn forward(
         &self,
         kv: &mut CudaKvCache,
@@ -231,7 +240,6 @@ impl CudaLlama {
         let c = &self.config;
         let gpu = &*self.gpu;
         gpu.bind()?;
-        let (h, q_dim, kv_dim, ffn, hd) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn, c.head_dim);
         let group = c.n_heads / c.n_kv_heads;
         let plan = StepPlan::new(chunks, kv.block_size, group, gpu.sm_count, c.n_kv_heads);
         let n = plan.tokens.len();
@@ -239,8 +247,79 @@ impl CudaLlama {
         if n == 0 {
             return Ok(Vec::new());
         }
-        ws.reserve(gpu, c, n, m, plan.decode_splits)?;
+        let mut grown = ws.reserve(gpu, c, n, m, plan.decode_splits)?;
         let meta = plan.upload(gpu, &mut ws.meta)?;
+        grown |= meta.grown;
+        if grown {
+            // Captured graphs point at the old buffers.
+            ws.graphs.clear();
+        }
+        let key = GraphKey {
+            tokens: n,
+            logit_rows: m,
+            max_blocks: plan.max_blocks,
+            splits: plan.decode_splits,
+            argmax: output == StepOutput::Argmax,
+        };
+        if ws.use_graphs && plan.prefill_items.is_empty() {
+            if !ws.graphs.contains_key(&key) {
+                gpu.stream.begin_capture(
+                    cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                )?;
+                let recorded = self.record(kv, ws, &plan, &meta, output);
+                let graph = gpu
+                    .stream
+                    .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))?;
+                recorded?;
+                let graph = graph.ok_or_else(|| GpuError::Other("empty CUDA graph".into()))?;
+                ws.graphs.insert(key, Graph(graph));
+            }
+            ws.graphs[&key].0.launch()?;
+        } else {
+            self.record(kv, ws, &plan, &meta, output)?;
+        }
+
+        let per_chunk = plan.logits_per_chunk.iter().copied();
+        let mut results: Vec<ChunkResult> = Vec::with_capacity(chunks.len());
+        match output {
+            StepOutput::Logits => {
+                let all = gpu.download(&ws.logits, m * c.vocab)?;
+                let mut at = 0;
+                for count in per_chunk {
+                    results.push(ChunkResult::Logits(
+                        all[at * c.vocab..(at + count) * c.vocab].to_vec(),
+                    ));
+                    at += count;
+                }
+            }
+            StepOutput::Argmax => {
+                let all = gpu.download(&ws.argmax, m)?;
+                let mut at = 0;
+                for count in per_chunk {
+                    results.push(ChunkResult::Tokens(
+                        all[at..at + count].iter().map(|&t| t as u32).collect(),
+                    ));
+                    at += count;
+                }
+            }
+        }
+        Ok(results)
+    }
+
+    /// Enqueues a step's kernels on the stream: no allocation, no copy, no
+    /// wait (so that it can be captured into a graph).
+    fn record(
+        &self,
+        kv: &CudaKvCache,
+        ws: &Workspace,
+        plan: &StepPlan,
+        meta: &MetaPtrs,
+        output: StepOutput,
+    ) -> Result<(), GpuError> {
+        let c = &self.config;
+        let gpu = &*self.gpu;
+        let (h, q_dim, kv_dim, ffn, hd) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn, c.head_dim);
+        let (n, m) = (plan.tokens.len(), plan.logit_rows.len());
         let p = |s: &CudaSlice<f32>| gpu.ptr(s, 0);
         let b = |s: &CudaSlice<Bf16>| gpu.ptr(s, 0);
         let (x, xn, qkv, qb, attn) = (p(&ws.x), b(&ws.xn), p(&ws.qkv), b(&ws.q), b(&ws.attn));
@@ -279,7 +358,7 @@ impl CudaLlama {
                     &c.rope_theta,
                 ],
             )?;
-            launch_attention(gpu, c, ws, &plan, &meta, qb, k_cache, v_cache, attn)?;
+            launch_attention(gpu, c, ws, plan, meta, qb, k_cache, v_cache, attn)?;
             gpu.gemm_bf16(b(&layer.wo), attn, x, n, h, q_dim, true)?;
             gpu.launch(
                 "rms_norm",
@@ -294,8 +373,6 @@ impl CudaLlama {
             )?;
             gpu.gemm_bf16(b(&layer.w_down), act, x, n, h, ffn, true)?;
         }
-
-        let mut results: Vec<ChunkResult> = Vec::with_capacity(chunks.len());
         if m > 0 {
             let head_in = b(&ws.head_in);
             gpu.launch(
@@ -305,39 +382,34 @@ impl CudaLlama {
             )?;
             let head = b(self.lm_head.as_ref().unwrap_or(&self.embed));
             gpu.gemm_bf16(head, head_in, p(&ws.logits), m, c.vocab, h, false)?;
-        }
-        let per_chunk = plan.logits_per_chunk.iter().copied();
-        match output {
-            StepOutput::Logits => {
-                let all = gpu.download(&ws.logits, m * c.vocab)?;
-                let mut at = 0;
-                for count in per_chunk {
-                    results.push(ChunkResult::Logits(
-                        all[at * c.vocab..(at + count) * c.vocab].to_vec(),
-                    ));
-                    at += count;
-                }
-            }
-            StepOutput::Argmax => {
-                if m > 0 {
-                    gpu.launch(
-                        "argmax_rows",
-                        grid((m as u32, 1, 1), 1024, 0),
-                        &[&p(&ws.logits), &(c.vocab as i32), &gpu.ptr(&ws.argmax, 0)],
-                    )?;
-                }
-                let all = gpu.download(&ws.argmax, m)?;
-                let mut at = 0;
-                for count in per_chunk {
-                    results.push(ChunkResult::Tokens(
-                        all[at..at + count].iter().map(|&t| t as u32).collect(),
-                    ));
-                    at += count;
-                }
+            if output == StepOutput::Argmax {
+                gpu.launch(
+                    "argmax_rows",
+                    grid((m as u32, 1, 1), 1024, 0),
+                    &[&p(&ws.logits), &(c.vocab as i32), &gpu.ptr(&ws.argmax, 0)],
+                )?;
             }
         }
-        Ok(results)
+        Ok(())
     }
+}
+
+/// A captured graph that may move between threads with its workspace.
+struct Graph(CudaGraph);
+
+// SAFETY: CUDA graph objects must not be used by two threads at once (the
+// driver's rule); a Graph lives in a Workspace and is used only through
+// `&mut Workspace`, so by one thread at a time.
+unsafe impl Send for Graph {}
+
+/// What a captured decode graph was captured for.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+struct GraphKey {
+    tokens: usize,
+    logit_rows: usize,
+    max_blocks: usize,
+    splits: usize,
+    argmax: bool,
 }
 
 /// Attention of every query token of the step (`q`, BF16 rows of q_dim) over
@@ -362,17 +434,21 @@ pub(crate) fn launch_attention(
     let (n_heads, n_kv_heads) = (c.n_heads as i32, c.n_kv_heads as i32);
     let scale = 1.0 / (hd as f32).sqrt();
     // The kernels' parameters (ATTN_ARGS in attention.cu), in order.
-    let launch = |name: String, items: DevPtr, count: usize, splits: usize, per_split: usize| {
+    let launch = |name: String, items: DevPtr, count: usize, splits: usize, per_split: DevPtr| {
         // Decode kernels: 4 warps, static shared memory only.
         let (threads, smem) = if name.contains("decode") {
             (128, 0)
         } else {
             (256, attention_smem(hd, PREFILL_ROWS))
         };
-        let (splits, per_split) = (splits as i32, per_split as i32);
+        let splits = splits as i32;
         gpu.launch(
             &name,
-            grid((count as u32, c.n_kv_heads as u32, splits as u32), threads, smem),
+            grid(
+                (count as u32, c.n_kv_heads as u32, splits as u32),
+                threads,
+                smem,
+            ),
             &[
                 &q,
                 &k_cache,
@@ -401,7 +477,7 @@ pub(crate) fn launch_attention(
             meta.decode_items,
             decode_items,
             splits,
-            plan.decode_keys_per_split,
+            meta.decode_keys_per_split,
         )?;
         if splits > 1 {
             gpu.launch(
@@ -426,7 +502,7 @@ pub(crate) fn launch_attention(
             meta.prefill_items,
             prefill_items,
             1,
-            i32::MAX as usize,
+            meta.prefill_keys_per_split,
         )?;
     }
     Ok(())
@@ -540,9 +616,12 @@ impl CudaKvCache {
     }
 }
 
-/// Activations and step metadata, grown to the largest step seen.
-#[derive(Debug)]
+/// Activations and step metadata, grown to the largest step seen, and the
+/// CUDA graphs captured over them.
 pub struct Workspace {
+    /// Replay pure-decode steps as CUDA graphs.
+    pub use_graphs: bool,
+    graphs: HashMap<GraphKey, Graph>,
     tokens: usize,
     logit_rows: usize,
     splits: usize,
@@ -561,9 +640,21 @@ pub struct Workspace {
     meta: CudaSlice<i32>,
 }
 
+impl std::fmt::Debug for Workspace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Workspace")
+            .field("tokens", &self.tokens)
+            .field("logit_rows", &self.logit_rows)
+            .field("graphs", &self.graphs.len())
+            .finish_non_exhaustive()
+    }
+}
+
 impl Workspace {
     pub fn new(gpu: &Gpu) -> Result<Workspace, GpuError> {
         Ok(Workspace {
+            use_graphs: true,
+            graphs: HashMap::new(),
             tokens: 0,
             logit_rows: 0,
             splits: 0,
@@ -590,8 +681,10 @@ impl Workspace {
         tokens: usize,
         logit_rows: usize,
         splits: usize,
-    ) -> Result<(), GpuError> {
+    ) -> Result<bool, GpuError> {
+        let mut grown = false;
         if tokens > self.tokens || splits > self.splits {
+            grown = true;
             let n = tokens.max(self.tokens).next_power_of_two();
             let s = splits.max(self.splits);
             let (h, q, kv, ffn) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
@@ -608,18 +701,22 @@ impl Workspace {
             self.splits = s;
         }
         if logit_rows > self.logit_rows {
+            grown = true;
             let m = logit_rows.next_power_of_two();
             self.head_in = gpu.alloc(m * c.hidden)?;
             self.logits = gpu.alloc(m * c.vocab)?;
             self.argmax = gpu.alloc(m)?;
             self.logit_rows = m;
         }
-        Ok(())
+        Ok(grown)
     }
 }
 
 /// Where each index array of a step landed on the device.
 pub(crate) struct MetaPtrs {
+    /// Keys per split of the decode launch, and of prefill launches (all).
+    decode_keys_per_split: DevPtr,
+    prefill_keys_per_split: DevPtr,
     tokens: DevPtr,
     positions: DevPtr,
     slots: DevPtr,
@@ -628,6 +725,8 @@ pub(crate) struct MetaPtrs {
     decode_rows: DevPtr,
     prefill_items: DevPtr,
     logit_rows: DevPtr,
+    /// The buffer was reallocated (addresses captured in graphs are stale).
+    grown: bool,
 }
 
 /// A step's batch, laid out for the kernels (host side).
@@ -660,14 +759,16 @@ impl StepPlan {
         sm_count: u32,
         n_kv_heads: usize,
     ) -> StepPlan {
+        // Table rows padded to a power of two (at least 16), so that steps
+        // of one batch size share a layout (and a CUDA graph) for long.
+        let longest_table = chunks
+            .iter()
+            .map(|c| c.block_table.len())
+            .max()
+            .unwrap_or(0);
         let mut p = StepPlan {
             block_size,
-            max_blocks: chunks
-                .iter()
-                .map(|c| c.block_table.len())
-                .max()
-                .unwrap_or(0)
-                .max(1),
+            max_blocks: longest_table.max(16).next_power_of_two(),
             ..StepPlan::default()
         };
         let prefill_tokens = (PREFILL_ROWS / group).max(1);
@@ -709,19 +810,22 @@ impl StepPlan {
             p.logits_per_chunk.push(rows.len());
             p.logit_rows.extend(rows.map(|r| r as i32));
         }
-        // Flash-decoding: enough blocks to fill the GPU twice over, in whole
-        // key tiles.
+        // Flash-decoding: the split count depends on the batch alone (enough
+        // blocks to fill the GPU twice over, at most MAX_SPLITS), so that it
+        // stays fixed while sequences grow; each split takes whole key tiles
+        // (the kernels read that number from device memory). Splits past a
+        // sequence's end find no keys.
         let decode_blocks = p.decode_rows.len() * n_kv_heads;
-        let (mut splits, mut per_split) = (1, longest_decode.max(1).next_multiple_of(KEY_TILE));
-        if decode_blocks > 0 {
-            let wanted = (2 * sm_count as usize).div_ceil(decode_blocks);
-            let tiles = longest_decode.div_ceil(KEY_TILE);
-            splits = wanted.clamp(1, tiles.max(1));
-            per_split = tiles.div_ceil(splits) * KEY_TILE;
-            splits = longest_decode.div_ceil(per_split).max(1);
-        }
+        let splits = if decode_blocks == 0 {
+            1
+        } else {
+            (2 * sm_count as usize)
+                .div_ceil(decode_blocks)
+                .clamp(1, MAX_SPLITS)
+        };
+        let tiles = longest_decode.max(1).div_ceil(KEY_TILE);
         p.decode_splits = splits;
-        p.decode_keys_per_split = per_split;
+        p.decode_keys_per_split = tiles.div_ceil(splits) * KEY_TILE;
         p
     }
 
@@ -731,7 +835,9 @@ impl StepPlan {
         gpu: &Gpu,
         meta: &mut CudaSlice<i32>,
     ) -> Result<MetaPtrs, GpuError> {
-        let parts: [&[i32]; 8] = [
+        let params = [self.decode_keys_per_split as i32, i32::MAX, 0, 0];
+        let parts: [&[i32]; 9] = [
+            &params,
             &self.tokens,
             &self.positions,
             &self.slots,
@@ -742,27 +848,32 @@ impl StepPlan {
             &self.logit_rows,
         ];
         let mut all = Vec::with_capacity(parts.iter().map(|p| p.len() + 4).sum());
-        let mut offsets = [0usize; 8];
+        let mut offsets = [0usize; 9];
         for (i, part) in parts.iter().enumerate() {
             offsets[i] = all.len();
             all.extend_from_slice(part);
             // Keep each array 16-byte aligned.
             all.resize(all.len().next_multiple_of(4), 0);
         }
+        let mut grown = false;
         if all.len() > meta.len() {
             *meta = gpu.alloc(all.len().next_power_of_two())?;
+            grown = true;
         }
         gpu.upload_into(&all, meta)?;
         let at = |i: usize| gpu.ptr(meta, offsets[i]);
         Ok(MetaPtrs {
-            tokens: at(0),
-            positions: at(1),
-            slots: at(2),
-            tables: at(3),
-            decode_items: at(4),
-            decode_rows: at(5),
-            prefill_items: at(6),
-            logit_rows: at(7),
+            decode_keys_per_split: at(0),
+            prefill_keys_per_split: at(0) + 4,
+            tokens: at(1),
+            positions: at(2),
+            slots: at(3),
+            tables: at(4),
+            decode_items: at(5),
+            decode_rows: at(6),
+            prefill_items: at(7),
+            logit_rows: at(8),
+            grown,
         })
     }
 }
@@ -793,14 +904,20 @@ mod tests {
         assert_eq!(p.tokens, [7, 8, 9, 5]);
         assert_eq!(p.positions, [4, 5, 6, 20]);
         assert_eq!(p.slots, [3 * 16 + 4, 3 * 16 + 5, 3 * 16 + 6, 2 * 16 + 4]);
-        assert_eq!(p.tables, [3, 1, 0, 2]);
+        // Table rows padded to 16 entries.
+        assert_eq!(p.max_blocks, 16);
+        assert_eq!(
+            (&p.tables[..2], &p.tables[16..18]),
+            (&[3, 1][..], &[0, 2][..])
+        );
         assert_eq!(p.prefill_items, [0, 0, 3, 4]);
         assert_eq!(p.decode_items, [1, 3, 1, 20]);
         assert_eq!(p.decode_rows, [3]);
         assert_eq!(p.logit_rows, [2, 3]);
         assert_eq!(p.logits_per_chunk, [1, 1]);
-        // 21 keys: one tile, so one split.
-        assert_eq!((p.decode_splits, p.decode_keys_per_split), (1, 64));
+        // One decode over 3 KV heads: the most splits (most find no keys),
+        // each one tile.
+        assert_eq!((p.decode_splits, p.decode_keys_per_split), (32, 64));
     }
 
     #[test]
@@ -825,9 +942,13 @@ mod tests {
         // 16 query tokens per prefill item (64 rows / 4 heads per KV head).
         assert_eq!(p.prefill_items.len() / 4, 4);
         assert_eq!(&p.prefill_items[12..], [0, 48, 2, 48]);
-        // 1001 keys, 8 blocks wanting 264: 16 tiles, one each.
-        assert_eq!((p.decode_splits, p.decode_keys_per_split), (16, 64));
+        // 1001 keys over 8 KV heads: 32 splits of one tile (16 tiles hold them).
+        assert_eq!((p.decode_splits, p.decode_keys_per_split), (32, 64));
         assert_eq!(p.logit_rows.len(), 50);
         assert_eq!(p.logits_per_chunk, [50, 0]);
+        // A batch that fills the GPU alone is not split.
+        let many: Vec<SeqChunk<'_>> = (0..64).map(|_| chunks[1]).collect();
+        let p = StepPlan::new(&many, 16, 4, 132, 8);
+        assert_eq!((p.decode_splits, p.decode_keys_per_split), (1, 1024));
     }
 }

@@ -162,14 +162,26 @@ fn gemv_and_cublas_gemm_match_the_cpu() {
         let start = values(n * rows, 30);
         let y = gpu.upload(&start).unwrap();
         // Accumulate onto `start`: y = start + x . w^T.
-        gpu.gemm_bf16(gpu.ptr(&dw, 0), gpu.ptr(&dx, 0), gpu.ptr(&y, 0), n, rows, cols, true)
-            .unwrap();
+        gpu.gemm_bf16(
+            gpu.ptr(&dw, 0),
+            gpu.ptr(&dx, 0),
+            gpu.ptr(&y, 0),
+            n,
+            rows,
+            cols,
+            true,
+        )
+        .unwrap();
         let got = gpu.download(&y, n * rows).unwrap();
         for j in 0..n {
             for r in 0..rows {
-                let want = start[j * rows + r] + dot(&w[r * cols..(r + 1) * cols], &x[j * cols..(j + 1) * cols]);
+                let want = start[j * rows + r]
+                    + dot(&w[r * cols..(r + 1) * cols], &x[j * cols..(j + 1) * cols]);
                 let g = got[j * rows + r];
-                assert!((g - want).abs() <= 1e-3 * want.abs().max(1.0), "n={n} [{j},{r}]: {g} vs {want}");
+                assert!(
+                    (g - want).abs() <= 1e-3 * want.abs().max(1.0),
+                    "n={n} [{j},{r}]: {g} vs {want}"
+                );
             }
         }
     }

@@ -21,7 +21,7 @@ template <int HD, int MAXR, int NT, int KT>
 __device__ __forceinline__ void attention_tile_loop(
     const bf16* __restrict__ q, const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
     const int* __restrict__ tables, int max_blocks, int block_size, const int* __restrict__ items,
-    int n_heads, int n_kv_heads, float scale, int n_splits, int keys_per_split,
+    int n_heads, int n_kv_heads, float scale, int n_splits, const int* __restrict__ keys_per_split_at,
     bf16* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* qs = (float*)smem_raw;                 // MAXR x HD, pre-scaled
@@ -40,6 +40,7 @@ __device__ __forceinline__ void attention_tile_loop(
     const int rows = n_q * group;
     const int q_dim = n_heads * HD, kv_dim = n_kv_heads * HD;
     const int kv_len = q_pos + n_q;
+    const int keys_per_split = *keys_per_split_at;
     const int k_begin = split * keys_per_split;
     const int k_end = min(kv_len, k_begin + keys_per_split);
     const int* table = tables + (u64)seq * max_blocks;
@@ -159,10 +160,11 @@ __device__ __forceinline__ void attention_tile_loop(
 #define ATTN_ARGS                                                                                          \
     const bf16 *__restrict__ q, const bf16 *__restrict__ k_cache, const bf16 *__restrict__ v_cache,       \
         const int *__restrict__ tables, int max_blocks, int block_size, const int *__restrict__ items,     \
-        int n_heads, int n_kv_heads, float scale, int n_splits, int keys_per_split, bf16 *__restrict__ out, \
+        int n_heads, int n_kv_heads, float scale, int n_splits, const int *__restrict__ keys_per_split_at,      \
+        bf16 *__restrict__ out, \
         float *__restrict__ part_acc, float *__restrict__ part_ml
 #define ATTN_PASS q, k_cache, v_cache, tables, max_blocks, block_size, items, n_heads, n_kv_heads, scale, \
-                  n_splits, keys_per_split, out, part_acc, part_ml
+                  n_splits, keys_per_split_at, out, part_acc, part_ml
 
 // Decode: one query token per item. Each warp takes tiles of 32 keys, one key
 // per lane: a lane reads its key's whole K row (16-byte loads) and scores it
@@ -185,6 +187,7 @@ __device__ __forceinline__ void attention_decode_tiles(ATTN_ARGS) {
     const int kvh = blockIdx.y, split = blockIdx.z;
     const int group = n_heads / n_kv_heads;
     const int q_dim = n_heads * HD, kv_dim = n_kv_heads * HD;
+    const int keys_per_split = *keys_per_split_at;
     const int k_begin = split * keys_per_split;
     const int k_end = min(q_pos + 1, k_begin + keys_per_split);
     const int* table = tables + (u64)seq * max_blocks;
@@ -213,10 +216,13 @@ __device__ __forceinline__ void attention_decode_tiles(ATTN_ARGS) {
 #pragma unroll
         for (int g = 0; g < G; g++) s[g] = 0.0f;
         if (valid) {
-            const uint4* kr = (const uint4*)(k_cache + row);
-#pragma unroll 4
+            // The whole K row first (HD / 8 loads in flight), then the sums.
+            uint4 krow[HD / 8];
+#pragma unroll
+            for (int c = 0; c < HD / 8; c++) krow[c] = ((const uint4*)(k_cache + row))[c];
+#pragma unroll
             for (int c = 0; c < HD / 8; c++) {
-                const uint4 kw = kr[c];
+                const uint4 kw = krow[c];
                 const float k8[8] = {bf16_lo(kw.x), bf16_hi(kw.x), bf16_lo(kw.y), bf16_hi(kw.y),
                                      bf16_lo(kw.z), bf16_hi(kw.z), bf16_lo(kw.w), bf16_hi(kw.w)};
 #pragma unroll
@@ -241,23 +247,35 @@ __device__ __forceinline__ void attention_decode_tiles(ATTN_ARGS) {
 #pragma unroll
             for (int d = 0; d < D; d++) acc[g][d] *= corr;
         }
-        // P.V: walk the tile's keys; this lane adds its dims of each V row.
+        // P.V: walk the tile's keys, 8 V rows loaded before any is used; this
+        // lane adds its dims of each row.
         const int n_keys = min(32, k_end - k0);
-        for (int j = 0; j < n_keys; j++) {
-            const u64 vrow = __shfl_sync(0xffffffffu, row, j);
-            float v[D];
-            if constexpr (D == 4) {
-                const uint2 vw = *(const uint2*)(v_cache + vrow + lane * 4);
-                v[0] = bf16_lo(vw.x); v[1] = bf16_hi(vw.x); v[2] = bf16_lo(vw.y); v[3] = bf16_hi(vw.y);
-            } else {
-                const u32 vw = *(const u32*)(v_cache + vrow + lane * 2);
-                v[0] = bf16_lo(vw); v[1] = bf16_hi(vw);
+        for (int j0 = 0; j0 < n_keys; j0 += 8) {
+            float v[8][D];
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                const u64 vrow = __shfl_sync(0xffffffffu, row, j0 + u);
+                if (j0 + u < n_keys) {
+                    if constexpr (D == 4) {
+                        const uint2 vw = *(const uint2*)(v_cache + vrow + lane * 4);
+                        v[u][0] = bf16_lo(vw.x); v[u][1] = bf16_hi(vw.x); v[u][2] = bf16_lo(vw.y); v[u][3] = bf16_hi(vw.y);
+                    } else {
+                        const u32 vw = *(const u32*)(v_cache + vrow + lane * 2);
+                        v[u][0] = bf16_lo(vw); v[u][1] = bf16_hi(vw);
+                    }
+                } else {
+#pragma unroll
+                    for (int d = 0; d < D; d++) v[u][d] = 0.0f;
+                }
             }
 #pragma unroll
-            for (int g = 0; g < G; g++) {
-                const float pj = __shfl_sync(0xffffffffu, p[g], j);
+            for (int u = 0; u < 8; u++) {
 #pragma unroll
-                for (int d = 0; d < D; d++) acc[g][d] = fmaf(pj, v[d], acc[g][d]);
+                for (int g = 0; g < G; g++) {
+                    const float pj = __shfl_sync(0xffffffffu, p[g], j0 + u);
+#pragma unroll
+                    for (int d = 0; d < D; d++) acc[g][d] = fmaf(pj, v[u][d], acc[g][d]);
+                }
             }
         }
     }
