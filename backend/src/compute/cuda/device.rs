@@ -23,6 +23,9 @@ use super::nvrtc::{self, CompileError, KERNEL_FILES};
 /// A device address (what a kernel's pointer parameter receives).
 pub type DevPtr = u64;
 
+/// Token rows of every cuBLAS call (see `Gpu::gemm_bf16`).
+pub const GEMM_ROW_TILE: usize = 128;
+
 /// Bytes of cuBLAS workspace (its guide suggests 32 MiB on Hopper).
 const BLAS_WORKSPACE: usize = 32 << 20;
 
@@ -224,9 +227,14 @@ impl Gpu {
     }
 
     /// `y[n, rows] = x[n, cols] . w[rows, cols]^T (+ y when accumulate)`:
-    /// BF16 weights and activations (row-major), f32 output and accumulation.
-    /// One token goes to our GEMV kernel (bandwidth-bound decode), more to
-    /// cuBLAS.
+    /// BF16 weights and activations (row-major), f32 output and accumulation,
+    /// through cuBLAS in calls of exactly `GEMM_ROW_TILE` token rows.
+    ///
+    /// Batch invariance: every call has the same shape whatever the batch, so
+    /// cuBLAS runs the same kernel and a token's row comes out bit-identical
+    /// whether it ran alone or beside 200 others (the engine's continuous
+    /// batching must not change greedy answers). x and y must have room for n
+    /// rounded up to the tile; the extra rows are scratch.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_bf16(
         &self,
@@ -238,15 +246,24 @@ impl Gpu {
         cols: usize,
         accumulate: bool,
     ) -> Result<(), GpuError> {
-        // Measured on H200 (BENCHMARKS.md): ours beats cuBLAS at one token,
-        // cuBLAS wins from two up.
-        if n == 1 && cols.is_multiple_of(8) {
-            return self.gemv_bf16(w, x, y, n, rows, cols, accumulate);
+        for first in (0..n).step_by(GEMM_ROW_TILE) {
+            self.cublas_gemm_bf16(
+                w,
+                x + (first * cols * 2) as u64,
+                y + (first * rows * 4) as u64,
+                GEMM_ROW_TILE,
+                rows,
+                cols,
+                accumulate,
+            )?;
         }
-        self.cublas_gemm_bf16(w, x, y, n, rows, cols, accumulate)
+        Ok(())
     }
 
-    /// `gemm_bf16` through our GEMV kernel (n at most 8, cols a multiple of 8).
+    /// One to eight tokens through our GEMV kernel (cols a multiple of 8):
+    /// bandwidth-bound decode without tensor cores, the base of the FP4
+    /// kernels. Not batch-invariant against `gemm_bf16`, so the model does
+    /// not mix the two.
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_bf16(
         &self,

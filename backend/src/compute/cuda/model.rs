@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaGraph, CudaSlice};
 
-use super::device::{DevPtr, Gpu, GpuError, elementwise, grid};
+use super::device::{DevPtr, GEMM_ROW_TILE, Gpu, GpuError, elementwise, grid};
 use crate::compute::cpu::{Quant, Weight};
 use crate::model::{Llama, LlamaConfig, Logits, SeqChunk};
 
@@ -23,8 +23,9 @@ type Bf16 = u16;
 /// prefill kernel); rows (query tokens x heads) of one prefill block; keys per
 /// tile (and the unit of a decode split).
 const DECODE_GROUP_MAX: usize = 8;
-/// The most blocks one decode sequence's keys are split across.
-const MAX_SPLITS: usize = 32;
+/// Keys of one decode split: fixed, so that a sequence's attention is summed
+/// in the same order whatever else is in the batch (batch invariance).
+const KEYS_PER_SPLIT: usize = 256;
 const PREFILL_ROWS: usize = 64;
 const KEY_TILE: usize = 64;
 
@@ -241,7 +242,7 @@ impl CudaLlama {
         let gpu = &*self.gpu;
         gpu.bind()?;
         let group = c.n_heads / c.n_kv_heads;
-        let plan = StepPlan::new(chunks, kv.block_size, group, gpu.sm_count, c.n_kv_heads);
+        let plan = StepPlan::new(chunks, kv.block_size, group);
         let n = plan.tokens.len();
         let m = plan.logit_rows.len();
         if n == 0 {
@@ -685,7 +686,11 @@ impl Workspace {
         let mut grown = false;
         if tokens > self.tokens || splits > self.splits {
             grown = true;
-            let n = tokens.max(self.tokens).next_power_of_two();
+            // Room for whole GEMM tiles of rows (Gpu::gemm_bf16).
+            let n = tokens
+                .max(self.tokens)
+                .max(GEMM_ROW_TILE)
+                .next_power_of_two();
             let s = splits.max(self.splits);
             let (h, q, kv, ffn) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
             self.x = gpu.alloc(n * h)?;
@@ -702,7 +707,7 @@ impl Workspace {
         }
         if logit_rows > self.logit_rows {
             grown = true;
-            let m = logit_rows.next_power_of_two();
+            let m = logit_rows.max(GEMM_ROW_TILE).next_power_of_two();
             self.head_in = gpu.alloc(m * c.hidden)?;
             self.logits = gpu.alloc(m * c.vocab)?;
             self.argmax = gpu.alloc(m)?;
@@ -752,13 +757,7 @@ pub(crate) struct StepPlan {
 }
 
 impl StepPlan {
-    pub(crate) fn new(
-        chunks: &[SeqChunk<'_>],
-        block_size: usize,
-        group: usize,
-        sm_count: u32,
-        n_kv_heads: usize,
-    ) -> StepPlan {
+    pub(crate) fn new(chunks: &[SeqChunk<'_>], block_size: usize, group: usize) -> StepPlan {
         // Table rows padded to a power of two (at least 16), so that steps
         // of one batch size share a layout (and a CUDA graph) for long.
         let longest_table = chunks
@@ -810,22 +809,16 @@ impl StepPlan {
             p.logits_per_chunk.push(rows.len());
             p.logit_rows.extend(rows.map(|r| r as i32));
         }
-        // Flash-decoding: the split count depends on the batch alone (enough
-        // blocks to fill the GPU twice over, at most MAX_SPLITS), so that it
-        // stays fixed while sequences grow; each split takes whole key tiles
-        // (the kernels read that number from device memory). Splits past a
-        // sequence's end find no keys.
-        let decode_blocks = p.decode_rows.len() * n_kv_heads;
-        let splits = if decode_blocks == 0 {
-            1
-        } else {
-            (2 * sm_count as usize)
-                .div_ceil(decode_blocks)
-                .clamp(1, MAX_SPLITS)
-        };
-        let tiles = longest_decode.max(1).div_ceil(KEY_TILE);
-        p.decode_splits = splits;
-        p.decode_keys_per_split = tiles.div_ceil(splits) * KEY_TILE;
+        // Flash-decoding: splits of KEYS_PER_SPLIT keys, as many as the
+        // longest sequence needs, rounded up to a power of two so that the
+        // count (a CUDA graph's shape) changes rarely; splits past a
+        // sequence's end find no keys. (The kernels read the split size from
+        // device memory.)
+        p.decode_splits = longest_decode
+            .max(1)
+            .div_ceil(KEYS_PER_SPLIT)
+            .next_power_of_two();
+        p.decode_keys_per_split = KEYS_PER_SPLIT;
         p
     }
 
@@ -900,7 +893,7 @@ mod tests {
                 logits: Logits::Last,
             },
         ];
-        let p = StepPlan::new(&chunks, 16, 3, 132, 3);
+        let p = StepPlan::new(&chunks, 16, 3);
         assert_eq!(p.tokens, [7, 8, 9, 5]);
         assert_eq!(p.positions, [4, 5, 6, 20]);
         assert_eq!(p.slots, [3 * 16 + 4, 3 * 16 + 5, 3 * 16 + 6, 2 * 16 + 4]);
@@ -915,9 +908,8 @@ mod tests {
         assert_eq!(p.decode_rows, [3]);
         assert_eq!(p.logit_rows, [2, 3]);
         assert_eq!(p.logits_per_chunk, [1, 1]);
-        // One decode over 3 KV heads: the most splits (most find no keys),
-        // each one tile.
-        assert_eq!((p.decode_splits, p.decode_keys_per_split), (32, 64));
+        // 21 keys: one split.
+        assert_eq!((p.decode_splits, p.decode_keys_per_split), (1, 256));
     }
 
     #[test]
@@ -938,17 +930,24 @@ mod tests {
                 logits: Logits::None,
             },
         ];
-        let p = StepPlan::new(&chunks, 16, 4, 132, 8);
+        let p = StepPlan::new(&chunks, 16, 4);
         // 16 query tokens per prefill item (64 rows / 4 heads per KV head).
         assert_eq!(p.prefill_items.len() / 4, 4);
         assert_eq!(&p.prefill_items[12..], [0, 48, 2, 48]);
-        // 1001 keys over 8 KV heads: 32 splits of one tile (16 tiles hold them).
-        assert_eq!((p.decode_splits, p.decode_keys_per_split), (32, 64));
+        // 1001 keys: 4 splits of 256.
+        assert_eq!((p.decode_splits, p.decode_keys_per_split), (4, 256));
         assert_eq!(p.logit_rows.len(), 50);
         assert_eq!(p.logits_per_chunk, [50, 0]);
-        // A batch that fills the GPU alone is not split.
+        // The split does not depend on the batch (batch invariance); 3 splits
+        // round up to 4.
         let many: Vec<SeqChunk<'_>> = (0..64).map(|_| chunks[1]).collect();
-        let p = StepPlan::new(&many, 16, 4, 132, 8);
-        assert_eq!((p.decode_splits, p.decode_keys_per_split), (1, 1024));
+        let p = StepPlan::new(&many, 16, 4);
+        assert_eq!((p.decode_splits, p.decode_keys_per_split), (4, 256));
+        let shorter = [SeqChunk {
+            start: 600,
+            ..chunks[1]
+        }];
+        let p = StepPlan::new(&shorter, 16, 4);
+        assert_eq!(p.decode_splits, 4);
     }
 }

@@ -151,17 +151,34 @@ fn rms_norm_silu_and_argmax_match_the_cpu() {
 }
 
 #[test]
-fn gemv_and_cublas_gemm_match_the_cpu() {
+fn gemv_and_the_tiled_gemm_match_the_cpu() {
     let Some(gpu) = gpu() else { return };
     let (rows, cols) = (100, 264);
+    let tile = super::device::GEMM_ROW_TILE;
     let w = from_bf16(&to_bf16(&values(rows * cols, 21)));
     let dw = gpu.upload(&to_bf16(&w)).unwrap();
-    for n in [1usize, 3, 8, 12] {
-        let x = from_bf16(&to_bf16(&values(n * cols, 22 + n as u64)));
+    for n in [1usize, 3, 8, 12, 130] {
+        // Buffers of whole tiles of rows, as the workspace has.
+        let padded = n.next_multiple_of(tile);
+        let x = from_bf16(&to_bf16(&values(padded * cols, 22 + n as u64)));
         let dx = gpu.upload(&to_bf16(&x)).unwrap();
-        let start = values(n * rows, 30);
-        let y = gpu.upload(&start).unwrap();
+        let start = values(padded * rows, 30);
+        let expected: Vec<f32> = (0..n * rows)
+            .map(|i| {
+                let (j, r) = (i / rows, i % rows);
+                start[i] + dot(&w[r * cols..(r + 1) * cols], &x[j * cols..(j + 1) * cols])
+            })
+            .collect();
+        let check = |got: &[f32], what: &str| {
+            for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+                assert!(
+                    (g - e).abs() <= 1e-3 * e.abs().max(1.0),
+                    "{what} n={n} [{i}]: {g} vs {e}"
+                );
+            }
+        };
         // Accumulate onto `start`: y = start + x . w^T.
+        let y = gpu.upload(&start).unwrap();
         gpu.gemm_bf16(
             gpu.ptr(&dw, 0),
             gpu.ptr(&dx, 0),
@@ -172,18 +189,43 @@ fn gemv_and_cublas_gemm_match_the_cpu() {
             true,
         )
         .unwrap();
-        let got = gpu.download(&y, n * rows).unwrap();
-        for j in 0..n {
-            for r in 0..rows {
-                let want = start[j * rows + r]
-                    + dot(&w[r * cols..(r + 1) * cols], &x[j * cols..(j + 1) * cols]);
-                let g = got[j * rows + r];
-                assert!(
-                    (g - want).abs() <= 1e-3 * want.abs().max(1.0),
-                    "n={n} [{j},{r}]: {g} vs {want}"
-                );
-            }
+        let tiled = gpu.download(&y, n * rows).unwrap();
+        check(&tiled, "cuBLAS");
+        if n <= 8 {
+            let y = gpu.upload(&start).unwrap();
+            gpu.gemv_bf16(
+                gpu.ptr(&dw, 0),
+                gpu.ptr(&dx, 0),
+                gpu.ptr(&y, 0),
+                n,
+                rows,
+                cols,
+                true,
+            )
+            .unwrap();
+            check(&gpu.download(&y, n * rows).unwrap(), "GEMV");
         }
+        // Batch invariance: token 0 beside other tokens gives the bits it
+        // gave in the batch.
+        let mut other = from_bf16(&to_bf16(&values(tile * cols, 99)));
+        other[..cols].copy_from_slice(&x[..cols]);
+        let dother = gpu.upload(&to_bf16(&other)).unwrap();
+        let y1 = gpu.upload(&start).unwrap();
+        gpu.gemm_bf16(
+            gpu.ptr(&dw, 0),
+            gpu.ptr(&dother, 0),
+            gpu.ptr(&y1, 0),
+            1,
+            rows,
+            cols,
+            true,
+        )
+        .unwrap();
+        assert_eq!(
+            gpu.download(&y1, rows).unwrap(),
+            tiled[..rows],
+            "n={n}: row 0 alone"
+        );
     }
 }
 
@@ -334,14 +376,8 @@ fn paged_attention_matches_the_cpu_for_decode_and_prefill() {
                 logits: Logits::Last,
             },
         ];
-        let plan = StepPlan::new(
-            &chunks,
-            block_size,
-            n_heads / n_kv_heads,
-            gpu.sm_count,
-            n_kv_heads,
-        );
-        assert!(plan.decode_splits > 1, "the long decode should be split");
+        let plan = StepPlan::new(&chunks, block_size, n_heads / n_kv_heads);
+        assert!(plan.decode_splits > 1, "the decode at 1200 should be split");
         let n = plan.tokens.len();
         let q_host = from_bf16(&to_bf16(&values(n * c.q_dim(), 13)));
         let dq = gpu.upload(&to_bf16(&q_host)).unwrap();
