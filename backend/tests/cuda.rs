@@ -1,7 +1,8 @@
 //! The CUDA backend against the CPU reference on the real SmolLM2 (the same
 //! Q4_1 weights, dequantized to BF16 on the GPU): logits within a stated
-//! tolerance, identical greedy tokens for a fixed prompt set, and continuous
-//! batching on the GPU giving the same tokens as one request at a time.
+//! tolerance, identical greedy tokens for a fixed prompt set (up to the first
+//! near-tie, see NEAR_TIE), and continuous batching on the GPU giving the
+//! same tokens as one request at a time (bit-exact: batch-invariant numerics).
 //! Skipped (a line on stderr) where there is no GPU.
 //!
 //! Tolerance on logits (SmolLM2's span about ±30): the GPU rounds weights and
@@ -161,16 +162,73 @@ fn one_at_a_time(engine: &Engine, new_tokens: u32) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// A CPU top-two gap under this many logits is a near-tie that BF16 rounding
+/// may break either way (twice the largest difference seen in the logits
+/// test, 0.43, rounded up); greedy answers are compared up to the first one.
+const NEAR_TIE: f32 = 1.0;
+
+/// For each token the CPU generated after `prompt`, the CPU's gap between
+/// its top two logits at that position.
+fn cpu_margins(prompt: &[u32], answer: &[u32]) -> Vec<f32> {
+    let (llama, _) = model();
+    let c = &llama.config;
+    let tokens: Vec<u32> = prompt.iter().chain(answer).copied().collect();
+    let table: Vec<u32> = (0..tokens.len().div_ceil(16) as u32).collect();
+    let mut kv = KvStorage::new(c.n_layers, table.len(), 16, c.kv_dim());
+    let chunk = [SeqChunk {
+        tokens: &tokens,
+        start: 0,
+        block_table: &table,
+        logits: Logits::All,
+    }];
+    let logits = llama.forward(&mut kv, &chunk).remove(0);
+    (0..answer.len())
+        .map(|k| {
+            let row = &logits[(prompt.len() - 1 + k) * c.vocab..(prompt.len() + k) * c.vocab];
+            let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+            for &v in row {
+                if v > a {
+                    (a, b) = (v, a);
+                } else if v > b {
+                    b = v;
+                }
+            }
+            a - b
+        })
+        .collect()
+}
+
 #[test]
 fn greedy_tokens_equal_the_cpu_engine() {
     if !gpu_present() {
         return;
     }
+    let tok = &model().1;
     let cpu = one_at_a_time(&engine(Device::Cpu), 24);
     let gpu = one_at_a_time(&engine(Device::Cuda(0)), 24);
+    let (mut compared, mut total) = (0, 0);
     for (i, (c, g)) in cpu.iter().zip(&gpu).enumerate() {
-        assert_eq!(c, g, "prompt {i} ({:?})", PROMPTS[i]);
+        let prompt = tok.encode(PROMPTS[i]).unwrap();
+        let margins = cpu_margins(&prompt, c);
+        let upto = margins
+            .iter()
+            .position(|&m| m < NEAR_TIE)
+            .unwrap_or(c.len());
+        assert_eq!(c[..upto], g[..upto], "prompt {i} ({:?})", PROMPTS[i]);
+        if upto < c.len() {
+            eprintln!(
+                "prompt {i}: compared {upto} tokens, then a near-tie (gap {:.3})",
+                margins[upto]
+            );
+        }
+        compared += upto;
+        total += c.len();
     }
+    eprintln!("greedy: {compared} of {total} tokens compared, all equal");
+    assert!(
+        compared * 4 >= total * 3,
+        "only {compared} of {total} tokens compared"
+    );
 }
 
 #[test]

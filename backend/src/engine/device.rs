@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use super::core::{Engine, EngineConfig};
+use crate::compute::cuda::nvrtc::nvrtc_present;
 use crate::compute::cuda::{CudaExecutor, CudaLlama, Gpu, GpuError, cuda_available};
 use crate::model::{Llama, Tokenizer};
 
@@ -44,10 +45,19 @@ impl std::fmt::Display for Device {
 }
 
 impl Device {
-    /// `Auto` made concrete for this machine.
+    /// `Auto` made concrete for this machine: a GPU needs the CUDA driver
+    /// and NVRTC (which compiles the kernels); without NVRTC, the CPU, said
+    /// in the log.
     pub fn resolve(self) -> Device {
         match self {
-            Device::Auto if cuda_available() => Device::Cuda(0),
+            Device::Auto if cuda_available() && nvrtc_present() => Device::Cuda(0),
+            Device::Auto if cuda_available() => {
+                tracing::warn!(
+                    "a GPU is present but libnvrtc.so.13 is not on LD_LIBRARY_PATH \
+                     (`make nvrtc` fetches it): running on the CPU"
+                );
+                Device::Cpu
+            }
             Device::Auto => Device::Cpu,
             other => other,
         }

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use serde_json::{Value, json};
 use sluice_backend::compute::cuda::bench::{decode, gemv_sweep, prefill};
-use sluice_backend::compute::cuda::{CudaExecutor, CudaLlama, Gpu};
+use sluice_backend::compute::cuda::{CudaExecutor, CudaLlama, Gpu, Numerics};
 use sluice_backend::model::LlamaConfig;
 
 #[derive(Clone, Debug)]
@@ -104,6 +104,22 @@ pub fn run_cuda_engine_bench(
         emit(&line);
         summary.insert("decode_tok_s_b1_no_graphs".into(), json!(f.tokens_per_s));
     }
+    // Every batch again with the fastest kernels, batch invariance aside.
+    ex.set_numerics(Numerics::Fast);
+    for &batch in &options.batches {
+        let f = decode(&mut ex, batch, options.context, options.steps, warmup)?;
+        let mut line = serde_json::to_value(&f)?;
+        line["bench"] = json!("decode");
+        line["engine"] = json!("sluice");
+        line["numerics"] = json!("fast");
+        emit(&line);
+        summary.insert(format!("decode_tok_s_b{batch}_fast"), json!(f.tokens_per_s));
+        summary.insert(
+            format!("decode_roofline_pct_b{batch}_fast"),
+            json!(f.percent_of_roofline),
+        );
+    }
+    ex.set_numerics(Numerics::BatchInvariant);
     for &prompt in &options.prompts {
         let f = prefill(&mut ex, prompt, 3)?;
         let mut line = serde_json::to_value(&f)?;

@@ -260,6 +260,25 @@ impl Gpu {
         Ok(())
     }
 
+    /// The fastest GEMM for `n` tokens, batch invariance aside: our GEMV
+    /// for one token, cuBLAS at the batch's own size otherwise.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_bf16_fast(
+        &self,
+        w: DevPtr,
+        x: DevPtr,
+        y: DevPtr,
+        n: usize,
+        rows: usize,
+        cols: usize,
+        accumulate: bool,
+    ) -> Result<(), GpuError> {
+        if n == 1 && cols.is_multiple_of(8) {
+            return self.gemv_bf16(w, x, y, n, rows, cols, accumulate);
+        }
+        self.cublas_gemm_bf16(w, x, y, n, rows, cols, accumulate)
+    }
+
     /// One to eight tokens through our GEMV kernel (cols a multiple of 8):
     /// bandwidth-bound decode without tensor cores, the base of the FP4
     /// kernels. Not batch-invariant against `gemm_bf16`, so the model does

@@ -6,7 +6,7 @@ use crate::engine::{Executor, Next};
 use crate::model::SeqChunk;
 
 use super::device::GpuError;
-use super::model::{ChunkResult, CudaKvCache, CudaLlama, StepOutput, Workspace};
+use super::model::{ChunkResult, CudaKvCache, CudaLlama, Numerics, StepOutput, Workspace};
 
 #[derive(Debug)]
 pub struct CudaExecutor {
@@ -30,6 +30,11 @@ impl CudaExecutor {
     /// Whether pure-decode steps replay as CUDA graphs (on by default).
     pub fn set_graphs(&mut self, on: bool) {
         self.workspace.use_graphs = on;
+    }
+
+    /// How steps are computed (batch-invariant by default).
+    pub fn set_numerics(&mut self, numerics: Numerics) {
+        self.workspace.numerics = numerics;
     }
 
     /// One step, with the output asked for.

@@ -14,4 +14,4 @@ mod tests;
 
 pub use device::{Gpu, GpuError, cuda_available};
 pub use executor::CudaExecutor;
-pub use model::{ChunkResult, CudaKvCache, CudaLlama, StepOutput, Workspace};
+pub use model::{ChunkResult, CudaKvCache, CudaLlama, Numerics, StepOutput, Workspace};

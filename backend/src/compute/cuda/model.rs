@@ -64,6 +64,21 @@ pub struct CudaLlama {
     lm_head: Option<CudaSlice<Bf16>>,
 }
 
+/// How a step's numbers are computed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Numerics {
+    /// A token's results do not depend on what else is in the batch: every
+    /// GEMM is a cuBLAS call of a fixed number of rows, and decode attention
+    /// splits keys at fixed points. Continuous batching then gives the same
+    /// greedy tokens as one request at a time.
+    #[default]
+    BatchInvariant,
+    /// The fastest kernels for each batch (our GEMV for one token, cuBLAS at
+    /// the batch's size, decode splits sized to fill the GPU); results can
+    /// differ in the last bits with the batch.
+    Fast,
+}
+
 /// What a step gives back for the tokens that asked for logits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StepOutput {
@@ -242,7 +257,14 @@ impl CudaLlama {
         let gpu = &*self.gpu;
         gpu.bind()?;
         let group = c.n_heads / c.n_kv_heads;
-        let plan = StepPlan::new(chunks, kv.block_size, group);
+        let splits = match ws.numerics {
+            Numerics::BatchInvariant => SplitPolicy::Fixed,
+            Numerics::Fast => SplitPolicy::FillGpu {
+                sm_count: gpu.sm_count,
+                n_kv_heads: c.n_kv_heads,
+            },
+        };
+        let plan = StepPlan::new(chunks, kv.block_size, group, splits);
         let n = plan.tokens.len();
         let m = plan.logit_rows.len();
         if n == 0 {
@@ -327,6 +349,10 @@ impl CudaLlama {
         let (gate_up, act) = (p(&ws.gate_up), b(&ws.act));
         let (n32, h32, eps) = (n as u32, h as i32, c.rms_eps);
         let null: DevPtr = 0;
+        let gemm = |w, x, y, n, rows, cols, accumulate| match ws.numerics {
+            Numerics::BatchInvariant => gpu.gemm_bf16(w, x, y, n, rows, cols, accumulate),
+            Numerics::Fast => gpu.gemm_bf16_fast(w, x, y, n, rows, cols, accumulate),
+        };
 
         // SAFETY (all launches): the buffers were sized by `reserve` for n
         // tokens and m logit rows; the index arrays hold n (or m) entries.
@@ -342,7 +368,7 @@ impl CudaLlama {
                 grid((n32, 1, 1), 256, 0),
                 &[&x, &null, &p(&layer.attn_norm), &xn, &h32, &eps],
             )?;
-            gpu.gemm_bf16(b(&layer.wqkv), xn, qkv, n, q_dim + 2 * kv_dim, h, false)?;
+            gemm(b(&layer.wqkv), xn, qkv, n, q_dim + 2 * kv_dim, h, false)?;
             gpu.launch(
                 "rope_store_kv",
                 grid((n32, 1, 1), 128, 0),
@@ -360,19 +386,19 @@ impl CudaLlama {
                 ],
             )?;
             launch_attention(gpu, c, ws, plan, meta, qb, k_cache, v_cache, attn)?;
-            gpu.gemm_bf16(b(&layer.wo), attn, x, n, h, q_dim, true)?;
+            gemm(b(&layer.wo), attn, x, n, h, q_dim, true)?;
             gpu.launch(
                 "rms_norm",
                 grid((n32, 1, 1), 256, 0),
                 &[&x, &null, &p(&layer.ffn_norm), &xn, &h32, &eps],
             )?;
-            gpu.gemm_bf16(b(&layer.w_gate_up), xn, gate_up, n, 2 * ffn, h, false)?;
+            gemm(b(&layer.w_gate_up), xn, gate_up, n, 2 * ffn, h, false)?;
             gpu.launch(
                 "silu_mul",
                 elementwise(n * ffn),
                 &[&gate_up, &act, &(ffn as i32), &(n as u64)],
             )?;
-            gpu.gemm_bf16(b(&layer.w_down), act, x, n, h, ffn, true)?;
+            gemm(b(&layer.w_down), act, x, n, h, ffn, true)?;
         }
         if m > 0 {
             let head_in = b(&ws.head_in);
@@ -382,7 +408,7 @@ impl CudaLlama {
                 &[&x, &meta.logit_rows, &p(&self.norm), &head_in, &h32, &eps],
             )?;
             let head = b(self.lm_head.as_ref().unwrap_or(&self.embed));
-            gpu.gemm_bf16(head, head_in, p(&ws.logits), m, c.vocab, h, false)?;
+            gemm(head, head_in, p(&ws.logits), m, c.vocab, h, false)?;
             if output == StepOutput::Argmax {
                 gpu.launch(
                     "argmax_rows",
@@ -622,6 +648,7 @@ impl CudaKvCache {
 pub struct Workspace {
     /// Replay pure-decode steps as CUDA graphs.
     pub use_graphs: bool,
+    pub numerics: Numerics,
     graphs: HashMap<GraphKey, Graph>,
     tokens: usize,
     logit_rows: usize,
@@ -655,6 +682,7 @@ impl Workspace {
     pub fn new(gpu: &Gpu) -> Result<Workspace, GpuError> {
         Ok(Workspace {
             use_graphs: true,
+            numerics: Numerics::default(),
             graphs: HashMap::new(),
             tokens: 0,
             logit_rows: 0,
@@ -734,6 +762,15 @@ pub(crate) struct MetaPtrs {
     grown: bool,
 }
 
+/// Where decode attention splits a sequence's keys across blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SplitPolicy {
+    /// Every KEYS_PER_SPLIT keys (batch-invariant).
+    Fixed,
+    /// Into as many splits as fill the GPU for this batch.
+    FillGpu { sm_count: u32, n_kv_heads: usize },
+}
+
 /// A step's batch, laid out for the kernels (host side).
 #[derive(Debug, Default, PartialEq)]
 pub(crate) struct StepPlan {
@@ -757,7 +794,12 @@ pub(crate) struct StepPlan {
 }
 
 impl StepPlan {
-    pub(crate) fn new(chunks: &[SeqChunk<'_>], block_size: usize, group: usize) -> StepPlan {
+    pub(crate) fn new(
+        chunks: &[SeqChunk<'_>],
+        block_size: usize,
+        group: usize,
+        splits: SplitPolicy,
+    ) -> StepPlan {
         // Table rows padded to a power of two (at least 16), so that steps
         // of one batch size share a layout (and a CUDA graph) for long.
         let longest_table = chunks
@@ -809,16 +851,26 @@ impl StepPlan {
             p.logits_per_chunk.push(rows.len());
             p.logit_rows.extend(rows.map(|r| r as i32));
         }
-        // Flash-decoding: splits of KEYS_PER_SPLIT keys, as many as the
-        // longest sequence needs, rounded up to a power of two so that the
-        // count (a CUDA graph's shape) changes rarely; splits past a
-        // sequence's end find no keys. (The kernels read the split size from
-        // device memory.)
-        p.decode_splits = longest_decode
-            .max(1)
-            .div_ceil(KEYS_PER_SPLIT)
-            .next_power_of_two();
-        p.decode_keys_per_split = KEYS_PER_SPLIT;
+        // Flash-decoding. The kernels read the split size from device memory;
+        // the count is rounded up to a power of two so that it (a CUDA
+        // graph's shape) changes rarely; splits past a sequence's end find no
+        // keys.
+        let tiles = longest_decode.max(1).div_ceil(KEY_TILE);
+        let per_split_tiles = match splits {
+            // Fixed points: the same sums whatever the batch.
+            SplitPolicy::Fixed => KEYS_PER_SPLIT / KEY_TILE,
+            // Enough blocks to fill the GPU twice over.
+            SplitPolicy::FillGpu {
+                sm_count,
+                n_kv_heads,
+            } => {
+                let blocks = (p.decode_rows.len() * n_kv_heads).max(1);
+                let wanted = (2 * sm_count as usize).div_ceil(blocks).clamp(1, 32);
+                tiles.div_ceil(wanted)
+            }
+        };
+        p.decode_keys_per_split = per_split_tiles * KEY_TILE;
+        p.decode_splits = tiles.div_ceil(per_split_tiles).next_power_of_two();
         p
     }
 
@@ -893,7 +945,7 @@ mod tests {
                 logits: Logits::Last,
             },
         ];
-        let p = StepPlan::new(&chunks, 16, 3);
+        let p = StepPlan::new(&chunks, 16, 3, SplitPolicy::Fixed);
         assert_eq!(p.tokens, [7, 8, 9, 5]);
         assert_eq!(p.positions, [4, 5, 6, 20]);
         assert_eq!(p.slots, [3 * 16 + 4, 3 * 16 + 5, 3 * 16 + 6, 2 * 16 + 4]);
@@ -930,7 +982,7 @@ mod tests {
                 logits: Logits::None,
             },
         ];
-        let p = StepPlan::new(&chunks, 16, 4);
+        let p = StepPlan::new(&chunks, 16, 4, SplitPolicy::Fixed);
         // 16 query tokens per prefill item (64 rows / 4 heads per KV head).
         assert_eq!(p.prefill_items.len() / 4, 4);
         assert_eq!(&p.prefill_items[12..], [0, 48, 2, 48]);
@@ -941,13 +993,23 @@ mod tests {
         // The split does not depend on the batch (batch invariance); 3 splits
         // round up to 4.
         let many: Vec<SeqChunk<'_>> = (0..64).map(|_| chunks[1]).collect();
-        let p = StepPlan::new(&many, 16, 4);
+        let p = StepPlan::new(&many, 16, 4, SplitPolicy::Fixed);
         assert_eq!((p.decode_splits, p.decode_keys_per_split), (4, 256));
         let shorter = [SeqChunk {
             start: 600,
             ..chunks[1]
         }];
-        let p = StepPlan::new(&shorter, 16, 4);
+        let p = StepPlan::new(&shorter, 16, 4, SplitPolicy::Fixed);
         assert_eq!(p.decode_splits, 4);
+        // Filling the GPU instead: one sequence over 8 KV heads takes 16
+        // splits of one tile; 64 sequences need no split.
+        let fill = SplitPolicy::FillGpu {
+            sm_count: 132,
+            n_kv_heads: 8,
+        };
+        let p = StepPlan::new(&chunks, 16, 4, fill);
+        assert_eq!((p.decode_splits, p.decode_keys_per_split), (16, 64));
+        let p = StepPlan::new(&many, 16, 4, fill);
+        assert_eq!((p.decode_splits, p.decode_keys_per_split), (1, 1024));
     }
 }

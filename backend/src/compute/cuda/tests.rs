@@ -11,7 +11,7 @@ use std::sync::Arc;
 use half::bf16;
 
 use super::device::{Gpu, elementwise, grid};
-use super::model::{CudaKvCache, StepPlan, Workspace, launch_attention};
+use super::model::{CudaKvCache, SplitPolicy, StepPlan, Workspace, launch_attention};
 use crate::compute::cpu::{Weight, dot, rms_norm, rope, rope_table, silu, softmax};
 use crate::model::{LlamaConfig, Logits, SeqChunk};
 
@@ -376,7 +376,12 @@ fn paged_attention_matches_the_cpu_for_decode_and_prefill() {
                 logits: Logits::Last,
             },
         ];
-        let plan = StepPlan::new(&chunks, block_size, n_heads / n_kv_heads);
+        let plan = StepPlan::new(
+            &chunks,
+            block_size,
+            n_heads / n_kv_heads,
+            SplitPolicy::Fixed,
+        );
         assert!(plan.decode_splits > 1, "the decode at 1200 should be split");
         let n = plan.tokens.len();
         let q_host = from_bf16(&to_bf16(&values(n * c.q_dim(), 13)));
