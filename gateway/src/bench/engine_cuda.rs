@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 
 use serde_json::{Value, json};
-use sluice_backend::compute::cuda::bench::{decode, gemv_sweep, prefill};
+use sluice_backend::compute::cuda::bench::{attention_sweep, decode, gemv_sweep, prefill};
 use sluice_backend::compute::cuda::{CudaExecutor, CudaLlama, Gpu, Numerics};
 use sluice_backend::model::LlamaConfig;
 
@@ -79,6 +79,13 @@ pub fn run_cuda_engine_bench(
         let mut line = serde_json::to_value(&f)?;
         line["bench"] = json!("gemv");
         emit(&line);
+    }
+    for &batch in &options.batches {
+        for f in attention_sweep(&mut ex, batch, options.context)? {
+            let mut line = serde_json::to_value(&f)?;
+            line["bench"] = json!("attention");
+            emit(&line);
+        }
     }
     for &batch in &options.batches {
         let f = decode(&mut ex, batch, options.context, options.steps, warmup)?;

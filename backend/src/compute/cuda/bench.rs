@@ -48,7 +48,8 @@ pub struct GemvFigure {
     pub rows: usize,
     pub cols: usize,
     pub tokens: usize,
-    /// Ours (`gemv_bf16_*`) and cuBLAS, in GB/s of weights read.
+    /// Ours (`gemv_bf16_*`, up to 8 tokens; else 0) and cuBLAS, in GB/s of
+    /// weights read.
     pub ours_gb_s: f64,
     pub cublas_gb_s: f64,
 }
@@ -61,12 +62,12 @@ pub fn gemv_sweep(ex: &CudaExecutor) -> Result<Vec<GemvFigure>, GpuError> {
     let c = &ex.model.config;
     let widest = c.hidden.max(c.ffn).max(c.q_dim());
     let tallest = (2 * c.ffn).max(c.q_dim() + 2 * c.kv_dim()).max(c.hidden);
-    let x = gpu.alloc::<u16>(8 * widest)?;
-    let y = gpu.alloc::<f32>(8 * tallest)?;
+    let x = gpu.alloc::<u16>(64 * widest)?;
+    let y = gpu.alloc::<f32>(64 * tallest)?;
     let (xp, yp) = (gpu.ptr(&x, 0), gpu.ptr(&y, 0));
     let mut out = Vec::new();
     for (name, copies, rows, cols) in ex.model.layer_matrices() {
-        for tokens in [1usize, 8] {
+        for tokens in [1usize, 8, 64] {
             let rate = |cublas: bool| -> Result<f64, GpuError> {
                 let mut times = Vec::new();
                 for rep in 0..6 {
@@ -75,7 +76,7 @@ pub fn gemv_sweep(ex: &CudaExecutor) -> Result<Vec<GemvFigure>, GpuError> {
                     for &w in &copies {
                         if cublas {
                             gpu.cublas_gemm_bf16(w, xp, yp, tokens, rows, cols, false)?;
-                        } else {
+                        } else if tokens <= 8 {
                             gpu.gemv_bf16(w, xp, yp, tokens, rows, cols, false)?;
                         }
                     }
@@ -87,7 +88,7 @@ pub fn gemv_sweep(ex: &CudaExecutor) -> Result<Vec<GemvFigure>, GpuError> {
                 let bytes = (copies.len() * rows * cols * 2) as f64;
                 Ok(bytes / median(times) / 1e9)
             };
-            let ours_gb_s = rate(false)?;
+            let ours_gb_s = if tokens <= 8 { rate(false)? } else { 0.0 };
             let cublas_gb_s = rate(true)?;
             out.push(GemvFigure {
                 matrix: name,
@@ -98,6 +99,92 @@ pub fn gemv_sweep(ex: &CudaExecutor) -> Result<Vec<GemvFigure>, GpuError> {
                 cublas_gb_s,
             });
         }
+    }
+    Ok(out)
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct AttentionFigure {
+    pub batch: usize,
+    pub context: usize,
+    pub numerics: &'static str,
+    pub splits: usize,
+    /// One layer's decode attention (and split combine), median.
+    pub us_per_layer: f64,
+    /// K and V bytes read per second.
+    pub kv_gb_s: f64,
+}
+
+/// Decode attention alone: `batch` sequences at `context`, every layer's
+/// cache in turn, with each numerics' split policy.
+pub fn attention_sweep(
+    ex: &mut CudaExecutor,
+    batch: usize,
+    context: usize,
+) -> Result<Vec<AttentionFigure>, GpuError> {
+    use super::model::{Numerics, SplitPolicy, StepPlan, launch_attention};
+    let gpu = ex.model.gpu.clone();
+    gpu.bind()?;
+    let c = ex.model.config.clone();
+    let bs = ex.kv.block_size;
+    let pages = (context + 1).div_ceil(bs);
+    if batch * pages > ex.kv.n_blocks {
+        return Err(GpuError::Other(
+            "the KV cache is too small for the sweep".into(),
+        ));
+    }
+    let tables: Vec<Vec<u32>> = (0..batch).map(|s| table(s, pages)).collect();
+    let token = [1u32];
+    let chunks: Vec<SeqChunk<'_>> = (0..batch)
+        .map(|s| SeqChunk {
+            tokens: &token,
+            start: context,
+            block_table: &tables[s],
+            logits: Logits::Last,
+        })
+        .collect();
+    let mut out = Vec::new();
+    for (numerics, name) in [
+        (Numerics::BatchInvariant, "batch-invariant"),
+        (Numerics::Fast, "fast"),
+    ] {
+        let policy = match numerics {
+            Numerics::BatchInvariant => SplitPolicy::Fixed,
+            Numerics::Fast => SplitPolicy::FillGpu {
+                sm_count: gpu.sm_count,
+                n_kv_heads: c.n_kv_heads,
+            },
+        };
+        let plan = StepPlan::new(&chunks, bs, c.n_heads / c.n_kv_heads, policy);
+        let ws = ex.workspace_mut();
+        ws.reserve(&gpu, &c, batch, batch, plan.decode_splits)?;
+        let mut meta_buf = gpu.alloc::<i32>(1)?;
+        let meta = plan.upload(&gpu, &mut meta_buf)?;
+        let ws = ex.workspace();
+        let (q, attn) = (ws.q_ptr(&gpu), ws.attn_ptr(&gpu));
+        let mut times = Vec::new();
+        for rep in 0..6 {
+            gpu.synchronize()?;
+            let started = Instant::now();
+            for layer in 0..c.n_layers {
+                let (k, v) = ex.kv.layer(&gpu, layer);
+                launch_attention(&gpu, &c, ws, &plan, &meta, q, k, v, attn)?;
+            }
+            gpu.synchronize()?;
+            if rep > 0 {
+                times.push(started.elapsed().as_secs_f64() / c.n_layers as f64);
+            }
+        }
+        let per_layer = median(times);
+        let bytes = (batch * (context + 1) * 2 * 2 * c.kv_dim()) as f64;
+        out.push(AttentionFigure {
+            batch,
+            context,
+            numerics: name,
+            splits: plan.decode_splits,
+            us_per_layer: per_layer * 1e6,
+            kv_gb_s: bytes / per_layer / 1e9,
+        });
     }
     Ok(out)
 }

@@ -37,6 +37,14 @@ impl CudaExecutor {
         self.workspace.numerics = numerics;
     }
 
+    pub(crate) fn workspace(&self) -> &Workspace {
+        &self.workspace
+    }
+
+    pub(crate) fn workspace_mut(&mut self) -> &mut Workspace {
+        &mut self.workspace
+    }
+
     /// One step, with the output asked for.
     pub fn step(
         &mut self,

@@ -270,11 +270,10 @@ impl CudaLlama {
         if n == 0 {
             return Ok(Vec::new());
         }
-        let mut grown = ws.reserve(gpu, c, n, m, plan.decode_splits)?;
+        ws.reserve(gpu, c, n, m, plan.decode_splits)?;
         let meta = plan.upload(gpu, &mut ws.meta)?;
-        grown |= meta.grown;
-        if grown {
-            // Captured graphs point at the old buffers.
+        if meta.grown {
+            // Captured graphs point at the old index arrays.
             ws.graphs.clear();
         }
         let key = GraphKey {
@@ -703,6 +702,14 @@ impl Workspace {
         })
     }
 
+    pub(crate) fn q_ptr(&self, gpu: &Gpu) -> DevPtr {
+        gpu.ptr(&self.q, 0)
+    }
+
+    pub(crate) fn attn_ptr(&self, gpu: &Gpu) -> DevPtr {
+        gpu.ptr(&self.attn, 0)
+    }
+
     pub(crate) fn reserve(
         &mut self,
         gpu: &Gpu,
@@ -740,6 +747,10 @@ impl Workspace {
             self.logits = gpu.alloc(m * c.vocab)?;
             self.argmax = gpu.alloc(m)?;
             self.logit_rows = m;
+        }
+        if grown {
+            // Captured graphs point at the old buffers.
+            self.graphs.clear();
         }
         Ok(grown)
     }
