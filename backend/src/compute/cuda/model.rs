@@ -25,7 +25,7 @@ type Bf16 = u16;
 const DECODE_GROUP_MAX: usize = 8;
 /// Keys of one decode split: fixed, so that a sequence's attention is summed
 /// in the same order whatever else is in the batch (batch invariance).
-const KEYS_PER_SPLIT: usize = 128;
+const KEYS_PER_SPLIT: usize = 256;
 const PREFILL_ROWS: usize = 64;
 const KEY_TILE: usize = 64;
 
@@ -972,7 +972,7 @@ mod tests {
         assert_eq!(p.logit_rows, [2, 3]);
         assert_eq!(p.logits_per_chunk, [1, 1]);
         // 21 keys: one split.
-        assert_eq!((p.decode_splits, p.decode_keys_per_split), (1, 128));
+        assert_eq!((p.decode_splits, p.decode_keys_per_split), (1, 256));
     }
 
     #[test]
@@ -997,20 +997,20 @@ mod tests {
         // 16 query tokens per prefill item (64 rows / 4 heads per KV head).
         assert_eq!(p.prefill_items.len() / 4, 4);
         assert_eq!(&p.prefill_items[12..], [0, 48, 2, 48]);
-        // 1001 keys: 8 splits of 128.
-        assert_eq!((p.decode_splits, p.decode_keys_per_split), (8, 128));
+        // 1001 keys: 4 splits of 256.
+        assert_eq!((p.decode_splits, p.decode_keys_per_split), (4, 256));
         assert_eq!(p.logit_rows.len(), 50);
         assert_eq!(p.logits_per_chunk, [50, 0]);
         // The split does not depend on the batch (batch invariance).
         let many: Vec<SeqChunk<'_>> = (0..64).map(|_| chunks[1]).collect();
         let p = StepPlan::new(&many, 16, 4, SplitPolicy::Fixed);
-        assert_eq!((p.decode_splits, p.decode_keys_per_split), (8, 128));
+        assert_eq!((p.decode_splits, p.decode_keys_per_split), (4, 256));
         let shorter = [SeqChunk {
             start: 600,
             ..chunks[1]
         }];
         let p = StepPlan::new(&shorter, 16, 4, SplitPolicy::Fixed);
-        assert_eq!(p.decode_splits, 8);
+        assert_eq!(p.decode_splits, 4);
         // Filling the GPU instead: one sequence over 8 KV heads takes 16
         // splits of one tile; 64 sequences need no split.
         let fill = SplitPolicy::FillGpu {

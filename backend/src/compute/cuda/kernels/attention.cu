@@ -216,27 +216,21 @@ __device__ __forceinline__ void attention_decode_tiles(ATTN_ARGS) {
 #pragma unroll
         for (int g = 0; g < G; g++) s[g] = 0.0f;
         if (valid) {
-            // The K row in two halves of HD / 16 loads each (all in flight),
-            // each then summed against every head; halves keep the registers
-            // (and so the warps a multiprocessor holds) in check.
+            // The whole K row first (HD / 8 loads in flight), then the sums.
+            uint4 krow[HD / 8];
 #pragma unroll
-            for (int half = 0; half < 2; half++) {
-                uint4 krow[HD / 16];
+            for (int c = 0; c < HD / 8; c++) krow[c] = ((const uint4*)(k_cache + row))[c];
 #pragma unroll
-                for (int c = 0; c < HD / 16; c++) krow[c] = ((const uint4*)(k_cache + row))[half * (HD / 16) + c];
+            for (int c = 0; c < HD / 8; c++) {
+                const uint4 kw = krow[c];
+                const float k8[8] = {bf16_lo(kw.x), bf16_hi(kw.x), bf16_lo(kw.y), bf16_hi(kw.y),
+                                     bf16_lo(kw.z), bf16_hi(kw.z), bf16_lo(kw.w), bf16_hi(kw.w)};
 #pragma unroll
-                for (int c = 0; c < HD / 16; c++) {
-                    const uint4 kw = krow[c];
-                    const int at = (half * (HD / 16) + c) * 8;
-                    const float k8[8] = {bf16_lo(kw.x), bf16_hi(kw.x), bf16_lo(kw.y), bf16_hi(kw.y),
-                                         bf16_lo(kw.z), bf16_hi(kw.z), bf16_lo(kw.w), bf16_hi(kw.w)};
-#pragma unroll
-                    for (int g = 0; g < G; g++) {
-                        const float4 qa = *(const float4*)&sm_q[g][at];
-                        const float4 qb = *(const float4*)&sm_q[g][at + 4];
-                        s[g] += qa.x * k8[0] + qa.y * k8[1] + qa.z * k8[2] + qa.w * k8[3] +
-                                qb.x * k8[4] + qb.y * k8[5] + qb.z * k8[6] + qb.w * k8[7];
-                    }
+                for (int g = 0; g < G; g++) {
+                    const float4 qa = *(const float4*)&sm_q[g][c * 8];
+                    const float4 qb = *(const float4*)&sm_q[g][c * 8 + 4];
+                    s[g] += qa.x * k8[0] + qa.y * k8[1] + qa.z * k8[2] + qa.w * k8[3] +
+                            qb.x * k8[4] + qb.y * k8[5] + qb.z * k8[6] + qb.w * k8[7];
                 }
             }
         }
@@ -257,22 +251,21 @@ __device__ __forceinline__ void attention_decode_tiles(ATTN_ARGS) {
         // lane adds its dims of each row.
         const int n_keys = min(32, k_end - k0);
         for (int j0 = 0; j0 < n_keys; j0 += 8) {
-            // Raw BF16 pairs (D / 2 words a row) until used.
-            u32 v[8][D / 2];
+            float v[8][D];
 #pragma unroll
             for (int u = 0; u < 8; u++) {
                 const u64 vrow = __shfl_sync(0xffffffffu, row, j0 + u);
                 if (j0 + u < n_keys) {
                     if constexpr (D == 4) {
                         const uint2 vw = *(const uint2*)(v_cache + vrow + lane * 4);
-                        v[u][0] = vw.x;
-                        v[u][D / 2 - 1] = vw.y;
+                        v[u][0] = bf16_lo(vw.x); v[u][1] = bf16_hi(vw.x); v[u][2] = bf16_lo(vw.y); v[u][3] = bf16_hi(vw.y);
                     } else {
-                        v[u][0] = *(const u32*)(v_cache + vrow + lane * 2);
+                        const u32 vw = *(const u32*)(v_cache + vrow + lane * 2);
+                        v[u][0] = bf16_lo(vw); v[u][1] = bf16_hi(vw);
                     }
                 } else {
 #pragma unroll
-                    for (int w = 0; w < D / 2; w++) v[u][w] = 0;
+                    for (int d = 0; d < D; d++) v[u][d] = 0.0f;
                 }
             }
 #pragma unroll
@@ -281,10 +274,7 @@ __device__ __forceinline__ void attention_decode_tiles(ATTN_ARGS) {
                 for (int g = 0; g < G; g++) {
                     const float pj = __shfl_sync(0xffffffffu, p[g], j0 + u);
 #pragma unroll
-                    for (int w = 0; w < D / 2; w++) {
-                        acc[g][2 * w] = fmaf(pj, bf16_lo(v[u][w]), acc[g][2 * w]);
-                        acc[g][2 * w + 1] = fmaf(pj, bf16_hi(v[u][w]), acc[g][2 * w + 1]);
-                    }
+                    for (int d = 0; d < D; d++) acc[g][d] = fmaf(pj, v[u][d], acc[g][d]);
                 }
             }
         }
@@ -328,16 +318,16 @@ __device__ __forceinline__ void attention_decode_tiles(ATTN_ARGS) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128, 6) attention_decode_hd64_g4(ATTN_ARGS) {
+extern "C" __global__ void __launch_bounds__(128) attention_decode_hd64_g4(ATTN_ARGS) {
     attention_decode_tiles<64, 4>(ATTN_PASS);
 }
-extern "C" __global__ void __launch_bounds__(128, 6) attention_decode_hd64_g8(ATTN_ARGS) {
+extern "C" __global__ void __launch_bounds__(128) attention_decode_hd64_g8(ATTN_ARGS) {
     attention_decode_tiles<64, 8>(ATTN_PASS);
 }
-extern "C" __global__ void __launch_bounds__(128, 6) attention_decode_hd128_g4(ATTN_ARGS) {
+extern "C" __global__ void __launch_bounds__(128) attention_decode_hd128_g4(ATTN_ARGS) {
     attention_decode_tiles<128, 4>(ATTN_PASS);
 }
-extern "C" __global__ void __launch_bounds__(128, 6) attention_decode_hd128_g8(ATTN_ARGS) {
+extern "C" __global__ void __launch_bounds__(128) attention_decode_hd128_g8(ATTN_ARGS) {
     attention_decode_tiles<128, 8>(ATTN_PASS);
 }
 // Prefill: up to 64 rows (query tokens x query heads of a KV head) per item.
