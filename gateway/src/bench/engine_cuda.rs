@@ -158,7 +158,7 @@ fn run_torch_peer(
     let prompts: Vec<String> = options.prompts.iter().map(|p| p.to_string()).collect();
     let out = std::process::Command::new("python3")
         .arg(script)
-        .args(["--shape", &shape, "--batches", &batches.join(",")])
+        .args(["--shape", shape, "--batches", &batches.join(",")])
         .args(["--context", &options.context.to_string()])
         .args([
             "--steps",
