@@ -424,7 +424,7 @@ mod tests {
 
     #[test]
     fn finds_every_kernel_name() {
-        let names = kernel_names(include_str!("kernels/attention.cu"));
+        let names = kernel_names(include_str!("../../../../kernels/attention.cu"));
         assert_eq!(
             names,
             [
@@ -437,7 +437,7 @@ mod tests {
                 "attention_combine"
             ]
         );
-        let names = kernel_names(include_str!("kernels/layers.cu"));
+        let names = kernel_names(include_str!("../../../../kernels/layers.cu"));
         assert_eq!(
             names,
             [

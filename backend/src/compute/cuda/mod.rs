@@ -1,5 +1,5 @@
 //! The CUDA backend: the same Llama forward pass as `compute::cpu`, on one
-//! NVIDIA GPU, through cudarc. Kernels (`kernels/*.cu`) are compiled by NVRTC
+//! NVIDIA GPU, through cudarc. Kernels (the top-level `kernels/*.cu`) are compiled by NVRTC
 //! at first use for the device's architecture and cached (`nvrtc`); BF16 GEMMs
 //! go to cuBLAS. Everything is loaded at run time, so machines without a GPU
 //! run the rest of sluice and skip the GPU tests.

@@ -18,25 +18,25 @@ pub struct KernelFile {
 }
 
 /// Put in front of every file.
-const COMMON: &str = include_str!("kernels/common.cuh");
+const COMMON: &str = include_str!("../../../../kernels/common.cuh");
 
 /// Every kernel file, in the order `sluice kernels compile` reports them.
 pub const KERNEL_FILES: &[KernelFile] = &[
     KernelFile {
         name: "weights.cu",
-        source: include_str!("kernels/weights.cu"),
+        source: include_str!("../../../../kernels/weights.cu"),
     },
     KernelFile {
         name: "layers.cu",
-        source: include_str!("kernels/layers.cu"),
+        source: include_str!("../../../../kernels/layers.cu"),
     },
     KernelFile {
         name: "gemv.cu",
-        source: include_str!("kernels/gemv.cu"),
+        source: include_str!("../../../../kernels/gemv.cu"),
     },
     KernelFile {
         name: "attention.cu",
-        source: include_str!("kernels/attention.cu"),
+        source: include_str!("../../../../kernels/attention.cu"),
     },
 ];
 
