@@ -15,7 +15,7 @@ mod common;
 use std::sync::{Arc, OnceLock};
 
 use sluice_backend::compute::cuda::{
-    ChunkResult, CudaExecutor, CudaLlama, Gpu, StepOutput, cuda_available,
+    ChunkResult, CudaExecutor, CudaKvCache, CudaLlama, Gpu, StepOutput, cuda_available,
 };
 use sluice_backend::engine::{Device, Engine, EngineConfig, GenerateEvent, GenerateRequest};
 use sluice_backend::kv::KvStorage;
@@ -342,4 +342,144 @@ fn synthetic_shapes_run_and_are_deterministic() {
     };
     assert!(logits.iter().all(|v| v.is_finite()), "non-finite logits");
     assert_eq!(a, b, "the same step twice gives the same logits");
+}
+
+fn two_gpus() -> bool {
+    let two = gpu_present() && cudarc::driver::CudaContext::device_count().is_ok_and(|n| n >= 2);
+    if !two {
+        eprintln!("skipped: needs two GPUs");
+    }
+    two
+}
+
+#[test]
+fn kv_pages_cross_gpus_intact() {
+    if !two_gpus() {
+        return;
+    }
+    use sluice_backend::compute::cuda::transfer::{copy_pages, enable_peer_access};
+    let (g0, g1) = (Gpu::open(0).unwrap(), Gpu::open(1).unwrap());
+    let config = sluice_backend::model::LlamaConfig::preset("llama-3.2-1b").unwrap();
+    // The source cache holds a model's KV after a prefill; pages 3, 9 and 4
+    // land in pages 0, 5 and 1 of the destination.
+    let model = CudaLlama::synthetic(g0.clone(), config.clone(), 3).unwrap();
+    let mut src = CudaExecutor::new(model, 16, 16).unwrap();
+    let tokens: Vec<u32> = (0..160).map(|i| i * 7 + 1).collect();
+    let table: Vec<u32> = (0..10).collect();
+    src.step(
+        &[SeqChunk {
+            tokens: &tokens,
+            start: 0,
+            block_table: &table,
+            logits: Logits::Last,
+        }],
+        StepOutput::Argmax,
+    )
+    .unwrap();
+    let mut dst = CudaKvCache::new(&g1, &config, 8, 16).unwrap();
+    enable_peer_access(&g1, &g0).unwrap();
+    copy_pages(&g1, &mut dst, &[0, 5, 1], &g0, &src.kv, &[3, 9, 4]).unwrap();
+    let page = 16 * config.kv_dim();
+    for layer in [0, config.n_layers - 1] {
+        let (sk, sv) = src.kv.read_layer(&g0, layer).unwrap();
+        let (dk, dv) = dst.read_layer(&g1, layer).unwrap();
+        for (from, to) in [(3, 0), (9, 5), (4, 1)] {
+            assert_eq!(
+                sk[from * page..(from + 1) * page],
+                dk[to * page..(to + 1) * page]
+            );
+            assert_eq!(
+                sv[from * page..(from + 1) * page],
+                dv[to * page..(to + 1) * page]
+            );
+        }
+    }
+}
+
+/// Prefill on GPU 0, KV pages moved to GPU 1, decode there: the same greedy
+/// tokens as prefill and decode on one GPU (1P1D against aggregated).
+#[test]
+fn prefill_on_one_gpu_and_decode_on_another_equals_aggregated() {
+    if !two_gpus() {
+        return;
+    }
+    use sluice_backend::compute::cuda::transfer::{copy_pages, enable_peer_access};
+    let (g0, g1) = (Gpu::open(0).unwrap(), Gpu::open(1).unwrap());
+    let config = sluice_backend::model::LlamaConfig::preset("llama-3.2-1b").unwrap();
+    let executor = |gpu: &Arc<Gpu>| {
+        CudaExecutor::new(
+            CudaLlama::synthetic(gpu.clone(), config.clone(), 5).unwrap(),
+            128,
+            16,
+        )
+        .unwrap()
+    };
+    let prompts: Vec<Vec<u32>> = (0..3)
+        .map(|s| {
+            (0..(40 + 100 * s))
+                .map(|i| (i * 97 + s * 13) as u32 % 128_000)
+                .collect()
+        })
+        .collect();
+    // Sequence s owns pages 32s.. on every GPU.
+    let tables: Vec<Vec<u32>> = (0..3u32)
+        .map(|s| (32 * s..32 * (s + 1)).collect())
+        .collect();
+    let prefill = |ex: &mut CudaExecutor| -> Vec<u32> {
+        let chunks: Vec<SeqChunk<'_>> = (0..3)
+            .map(|s| SeqChunk {
+                tokens: &prompts[s],
+                start: 0,
+                block_table: &tables[s],
+                logits: Logits::Last,
+            })
+            .collect();
+        ex.step(&chunks, StepOutput::Argmax)
+            .unwrap()
+            .into_iter()
+            .map(|r| match r {
+                ChunkResult::Tokens(t) => t[0],
+                ChunkResult::Logits(_) => panic!("asked for tokens"),
+            })
+            .collect()
+    };
+    let decode = |ex: &mut CudaExecutor, first: Vec<u32>| -> Vec<Vec<u32>> {
+        let mut out: Vec<Vec<u32>> = first.into_iter().map(|t| vec![t]).collect();
+        for step in 0..32 {
+            let last: Vec<[u32; 1]> = out.iter().map(|t| [*t.last().unwrap()]).collect();
+            let chunks: Vec<SeqChunk<'_>> = (0..3)
+                .map(|s| SeqChunk {
+                    tokens: &last[s],
+                    start: prompts[s].len() + step,
+                    block_table: &tables[s],
+                    logits: Logits::Last,
+                })
+                .collect();
+            for (s, r) in ex
+                .step(&chunks, StepOutput::Argmax)
+                .unwrap()
+                .into_iter()
+                .enumerate()
+            {
+                let ChunkResult::Tokens(t) = r else {
+                    panic!("asked for tokens")
+                };
+                out[s].extend(t);
+            }
+        }
+        out
+    };
+    let mut aggregated = executor(&g0);
+    let first = prefill(&mut aggregated);
+    let want = decode(&mut aggregated, first);
+
+    let (mut p, mut d) = (executor(&g0), executor(&g1));
+    let first = prefill(&mut p);
+    enable_peer_access(&g1, &g0).unwrap();
+    let pages: Vec<u32> = (0..3)
+        .flat_map(|s| tables[s][..prompts[s].len().div_ceil(16)].to_vec())
+        .collect();
+    copy_pages(&g1, &mut d.kv, &pages, &g0, &p.kv, &pages).unwrap();
+    let got = decode(&mut d, first);
+    assert_eq!(got, want);
 }

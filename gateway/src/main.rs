@@ -243,6 +243,20 @@ enum Bench {
         #[arg(long)]
         vs_torch: Option<PathBuf>,
     },
+    /// KV pages between two GPUs of one node (the same-node transport of
+    /// disaggregation): scattered pages of a model's shape, every layer, K and
+    /// V, in one gather kernel over peer access.
+    Transfer {
+        /// cuda (GPU 0 to GPU 1; the TCP transport comes with disaggregation)
+        #[arg(long, default_value = "cuda")]
+        device: Device,
+        /// Pages to move (of 16 tokens).
+        #[arg(long, default_value_t = 4096)]
+        pages: usize,
+        /// The shape whose pages move.
+        #[arg(long, default_value = "llama-3.1-8b")]
+        synthetic_model: String,
+    },
     /// What a gateway adds per request in front of a minimal fast upstream:
     /// direct vs `sluice serve` (kv-aware plugin) vs SGLang's gateway.
     Gateway {
@@ -499,6 +513,30 @@ fn run() -> anyhow::Result<()> {
             let summary = run_engine_bench(&options, |line| println!("{line}"))
                 .context("sluice bench engine")?;
             println!("{summary}");
+        }
+        Command::Bench {
+            which:
+                Bench::Transfer {
+                    device,
+                    pages,
+                    synthetic_model,
+                },
+        } => {
+            use sluice_backend::compute::cuda::{Gpu, bench::peer_transfer};
+            anyhow::ensure!(
+                device == Device::Cuda(0),
+                "only --device cuda (GPU 0 to GPU 1) for now"
+            );
+            let config = sluice_backend::model::LlamaConfig::preset(&synthetic_model)
+                .with_context(|| format!("unknown shape {synthetic_model:?}"))?;
+            let (src, dst) = (Gpu::open(0)?, Gpu::open(1)?);
+            let f = peer_transfer(&src, &dst, &config, pages, 16)?;
+            let mut line = serde_json::to_value(&f)?;
+            line["bench"] = serde_json::json!("transfer");
+            line["from"] = serde_json::json!(src.name);
+            line["shape"] = serde_json::json!(synthetic_model);
+            line["summary"] = serde_json::json!(true);
+            println!("{line}");
         }
         Command::Bench {
             which:

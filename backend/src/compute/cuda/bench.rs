@@ -189,6 +189,68 @@ pub fn attention_sweep(
     Ok(out)
 }
 
+#[derive(Clone, Debug, Serialize)]
+pub struct TransferFigure {
+    pub pages: usize,
+    /// Bytes of one page of one layer's K (or V).
+    pub page_bytes: usize,
+    pub layers: usize,
+    /// Every page, every layer, K and V.
+    pub bytes: usize,
+    pub ms_median: f64,
+    pub gb_s: f64,
+}
+
+/// `pages` scattered KV pages of the `config` shape from GPU `src` to GPU
+/// `dst` with `transfer::copy_pages` (one launch): median of 5 after a warm-up.
+pub fn peer_transfer(
+    src: &std::sync::Arc<super::Gpu>,
+    dst: &std::sync::Arc<super::Gpu>,
+    config: &crate::model::LlamaConfig,
+    pages: usize,
+    block_size: usize,
+) -> Result<TransferFigure, GpuError> {
+    use super::model::CudaKvCache;
+    use super::transfer::{copy_pages, enable_peer_access};
+    enable_peer_access(dst, src)?;
+    let src_cache = CudaKvCache::new(src, config, pages, block_size)?;
+    let mut dst_cache = CudaKvCache::new(dst, config, pages, block_size)?;
+    // Scattered: a page goes to another slot, in a shuffled order.
+    let shuffled = |seed: u64| -> Vec<u32> {
+        let mut v: Vec<u32> = (0..pages as u32).collect();
+        let mut x = seed;
+        for i in (1..v.len()).rev() {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            v.swap(i, (x >> 33) as usize % (i + 1));
+        }
+        v
+    };
+    let (from, to) = (shuffled(1), shuffled(2));
+    let mut times = Vec::new();
+    for rep in 0..6 {
+        dst.synchronize()?;
+        let started = Instant::now();
+        copy_pages(dst, &mut dst_cache, &to, src, &src_cache, &from)?;
+        dst.synchronize()?;
+        if rep > 0 {
+            times.push(started.elapsed().as_secs_f64());
+        }
+    }
+    let page_bytes = block_size * config.kv_dim() * 2;
+    let bytes = pages * config.n_layers * 2 * page_bytes;
+    let s = median(times);
+    Ok(TransferFigure {
+        pages,
+        page_bytes,
+        layers: config.n_layers,
+        bytes,
+        ms_median: s * 1e3,
+        gb_s: bytes as f64 / s / 1e9,
+    })
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]

@@ -11,6 +11,7 @@ pub mod model;
 pub mod nvrtc;
 #[cfg(test)]
 mod tests;
+pub mod transfer;
 
 pub use device::{Gpu, GpuError, cuda_available};
 pub use executor::CudaExecutor;

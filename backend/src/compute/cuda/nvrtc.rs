@@ -38,6 +38,10 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         name: "attention.cu",
         source: include_str!("../../../../kernels/attention.cu"),
     },
+    KernelFile {
+        name: "transfer.cu",
+        source: include_str!("../../../../kernels/transfer.cu"),
+    },
 ];
 
 /// The architectures CI compiles for: Hopper (measured on H200) and Blackwell
