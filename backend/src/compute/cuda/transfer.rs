@@ -25,11 +25,25 @@ pub fn enable_peer_access(dst: &Gpu, src: &Gpu) -> Result<(), GpuError> {
     // SAFETY: dst's context is current; src's context is alive (in src).
     let result = unsafe { sys::cuCtxEnablePeerAccess(src.ctx.cu_ctx(), 0) };
     match result {
-        sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
-            Ok(())
-        }
-        other => Err(GpuError::Other(format!("cuCtxEnablePeerAccess: {other:?}"))),
+        sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {}
+        other => return Err(GpuError::Other(format!("cuCtxEnablePeerAccess: {other:?}"))),
     }
+    // Buffers come from src's stream-ordered allocator (its default memory
+    // pool), which peer access alone does not open: grant dst read and write
+    // on the pool too.
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: an out-pointer and a valid device.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, s) }.result()?;
+    let access = sys::CUmemAccessDesc {
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: d,
+        },
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    // SAFETY: a live pool and one access descriptor.
+    unsafe { sys::cuMemPoolSetAccess(pool, &access, 1) }.result()?;
+    Ok(())
 }
 
 /// Copies pages `src_pages[i]` of `src` (on `src_gpu`) into pages
