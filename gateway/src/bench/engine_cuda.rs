@@ -2,7 +2,9 @@
 //! (1k context) and prefill tokens/s at 1k and 8k prompts on one GPU, each as
 //! a percentage of its roofline (BENCHMARKS.md), for the real SmolLM2 or a
 //! synthetic Llama shape; with `--vs-torch`, PyTorch + transformers on the
-//! same shape in the same run (bench/torch_llama.py).
+//! same synthetic shape in the same run (bench/torch_llama.py, run first in
+//! its own process so that each has the whole GPU). Also the decode GEMM and
+//! decode attention sweeps, and both numerics.
 
 use std::path::PathBuf;
 

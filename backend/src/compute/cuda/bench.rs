@@ -256,9 +256,10 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// FLOPs of the matrix products for one token (2 per weight, head included).
+/// FLOPs of the matrix products for one token: 2 per weight (head included),
+/// which is the byte count of BF16 weights.
 fn gemm_flops_per_token(ex: &CudaExecutor) -> f64 {
-    ex.model.weight_bytes() as f64 // 2 bytes per weight, 2 FLOPs per weight
+    ex.model.weight_bytes() as f64
 }
 
 /// Block table of sequence `seq` when each takes `pages` pages in order.
