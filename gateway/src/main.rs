@@ -13,9 +13,9 @@ use sluice_backend::engine::Device;
 use sluice_backend::engine::EngineConfig;
 use sluice_backend::server::{WorkerConfig, run_worker};
 use sluice_gateway::bench::{
-    CudaEngineBenchOptions, EngineBenchOptions, GatewayBenchOptions, PluginBenchOptions,
-    RoutingBenchOptions, TraceChoice, run_cuda_engine_bench, run_engine_bench, run_gateway_bench,
-    run_plugin_bench, run_routing_bench,
+    CudaEngineBenchOptions, EngineBenchOptions, Fp4BenchOptions, GatewayBenchOptions,
+    PluginBenchOptions, RoutingBenchOptions, TraceChoice, run_cuda_engine_bench, run_engine_bench,
+    run_fp4_accuracy_bench, run_gateway_bench, run_plugin_bench, run_routing_bench,
 };
 
 use sluice_backend::model::FETCHED_MODEL as DEFAULT_MODEL;
@@ -93,6 +93,10 @@ enum Command {
         /// auto (a CUDA GPU when there is one, else the CPU), cpu, cuda, cuda:N
         #[arg(long, default_value = "auto")]
         device: Device,
+        /// The linear layers' precision: as-loaded, bf16, mxfp4, nvfp4 (FP4
+        /// runs through the reference kernels on the CPU, as BF16 on the GPU)
+        #[arg(long, default_value = "as-loaded")]
+        weights: sluice_backend::model::WeightFormat,
     },
     /// The CUDA kernels.
     Kernels {
@@ -243,6 +247,19 @@ enum Bench {
         #[arg(long)]
         vs_torch: Option<PathBuf>,
     },
+    /// FP4 weights: with --accuracy, SmolLM2's perplexity and greedy agreement
+    /// in BF16, MXFP4 and NVFP4 on MT-Bench's text (CPU; `make data` first).
+    Fp4 {
+        /// The comparison of formats (the only part so far).
+        #[arg(long)]
+        accuracy: bool,
+        /// A GGUF model file [default: as `sluice worker`]
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Tokens scored in all.
+        #[arg(long, default_value_t = 4096)]
+        max_tokens: usize,
+    },
     /// KV pages between two GPUs of one node (the same-node transport of
     /// disaggregation): scattered pages of a model's shape, every layer, K and
     /// V, in one gather kernel over peer access.
@@ -374,9 +391,11 @@ fn run() -> anyhow::Result<()> {
             register,
             advertise,
             device,
+            weights,
         } => {
             let config = WorkerConfig {
                 device,
+                weights,
                 register,
                 advertise,
                 register_token: std::env::var("SLUICE_ADMIN_TOKEN").ok(),
@@ -512,6 +531,27 @@ fn run() -> anyhow::Result<()> {
             };
             let summary = run_engine_bench(&options, |line| println!("{line}"))
                 .context("sluice bench engine")?;
+            println!("{summary}");
+        }
+        Command::Bench {
+            which:
+                Bench::Fp4 {
+                    accuracy,
+                    model,
+                    max_tokens,
+                },
+        } => {
+            anyhow::ensure!(
+                accuracy,
+                "only --accuracy so far (the GPU kernels come next)"
+            );
+            let options = Fp4BenchOptions {
+                model: model_path(model),
+                texts: PathBuf::from(MT_BENCH),
+                max_tokens,
+            };
+            let summary = run_fp4_accuracy_bench(&options, |line| println!("{line}"))
+                .context("sluice bench fp4")?;
             println!("{summary}");
         }
         Command::Bench {

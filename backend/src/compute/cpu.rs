@@ -163,6 +163,8 @@ pub enum Weight {
         cols: usize,
         quant: Quant,
     },
+    /// MXFP4 or NVFP4, dequantized row by row (the reference, not fast).
+    Fp4(super::fp4::Fp4Matrix),
 }
 
 impl Weight {
@@ -207,6 +209,7 @@ impl Weight {
         match self {
             Weight::F32(m) => m.rows,
             Weight::Quant { rows, .. } => *rows,
+            Weight::Fp4(m) => m.rows,
         }
     }
 
@@ -214,6 +217,7 @@ impl Weight {
         match self {
             Weight::F32(m) => m.cols,
             Weight::Quant { cols, .. } => *cols,
+            Weight::Fp4(m) => m.cols,
         }
     }
 
@@ -230,6 +234,10 @@ impl Weight {
             Weight::F32(m) => {
                 out.clear();
                 out.extend_from_slice(m.row(r));
+            }
+            Weight::Fp4(m) => {
+                out.resize(m.cols, 0.0);
+                m.dequantize_row(r, out);
             }
             Weight::Quant { cols, quant, .. } => {
                 out.resize(*cols, 0.0);
@@ -256,6 +264,7 @@ impl Weight {
     fn row_dot(&self, r: usize, x: &[f32], x_sums: &[f32]) -> f32 {
         match self {
             Weight::F32(m) => dot(m.row(r), x),
+            Weight::Fp4(_) => dot(&self.row_f32(r), x),
             Weight::Quant { cols, quant, .. } => {
                 let nb = cols / 32;
                 let blocks = r * nb..(r + 1) * nb;
@@ -298,7 +307,7 @@ impl Weight {
                 let mut row = Vec::new();
                 for (i, out_row) in out.chunks_mut(n).enumerate() {
                     // Several inputs: dequantize the row once, then plain dots.
-                    if n > 2 && matches!(self, Weight::Quant { .. }) {
+                    if n > 2 && !matches!(self, Weight::F32(_)) {
                         self.row_into(first + i, &mut row);
                         for (t, o) in out_row.iter_mut().enumerate() {
                             *o = dot(&row, &x[t * cols..(t + 1) * cols]);

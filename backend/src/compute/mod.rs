@@ -3,3 +3,4 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod fp4;

@@ -255,6 +255,10 @@ impl Llama {
         })
     }
 
+    pub(crate) fn layers_mut(&mut self) -> &mut [Layer] {
+        &mut self.layers
+    }
+
     /// The weights, for another backend to copy: (embedding, layers, final
     /// norm, output head; `None` when tied to the embedding).
     pub(crate) fn parts(&self) -> (&Weight, &[Layer], &[f32], Option<&Weight>) {

@@ -1,16 +1,19 @@
-//! Models: the GGUF reader, the Llama-family config and forward pass.
+//! Models: the GGUF reader, the Llama-family config and forward pass, and the
+//! linear layers' precision (`precision`).
 
 mod byte_level;
 mod config;
 pub mod gguf;
 mod hf;
 mod llama;
+mod precision;
 mod segments;
 mod tokenizer;
 
 pub use config::LlamaConfig;
 pub use gguf::{Gguf, GgufError};
 pub use llama::{Llama, Logits, Naming, SeqChunk, TensorSource};
+pub use precision::WeightFormat;
 pub use tokenizer::{ChatMessage, Tokenizer, TokenizerError};
 
 use std::path::Path;

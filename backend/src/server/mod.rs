@@ -145,6 +145,8 @@ pub struct WorkerConfig {
     pub engine: crate::engine::EngineConfig,
     /// CPU or CUDA (`auto`: a GPU when there is one).
     pub device: crate::engine::Device,
+    /// The linear layers' precision (`as-loaded`: the file's).
+    pub weights: crate::model::WeightFormat,
     /// A gateway to register with (its base URL), again every few seconds.
     pub register: Option<String>,
     /// The URL the gateway should use for this worker; default
@@ -162,6 +164,8 @@ pub enum WorkerError {
         path: String,
         source: crate::model::LoadError,
     },
+    #[error("cannot convert the weights: {0}")]
+    Weights(String),
     #[error("cannot start the engine on {device}")]
     Device {
         device: crate::engine::Device,
@@ -190,9 +194,13 @@ pub async fn run_worker(config: WorkerConfig) -> Result<(), WorkerError> {
         "model loaded"
     );
     let name = config.served_name.clone().unwrap_or(loaded.name);
+    let llama = loaded
+        .llama
+        .with_linear_weights(config.weights)
+        .map_err(WorkerError::Weights)?;
     let engine = Engine::start_on(
         config.device,
-        Arc::new(loaded.llama),
+        Arc::new(llama),
         Arc::new(loaded.tokenizer),
         config.engine,
     )

@@ -549,6 +549,16 @@ fn put_weight(gpu: &Gpu, w: &Weight, dst: DevPtr) -> Result<(), GpuError> {
             )?;
             gpu.synchronize()?;
         }
+        Weight::Fp4(m) => {
+            // FP4 weights run as BF16 on the GPU for now: FP4 kernels are next.
+            let src = gpu.upload(&m.dequantize())?;
+            gpu.launch(
+                "f32_to_bf16_array",
+                elementwise(n as usize),
+                &[&gpu.ptr(&src, 0), &dst, &n],
+            )?;
+            gpu.synchronize()?;
+        }
         Weight::Quant { quant, .. } => match quant {
             Quant::Q4_1 { scales, mins, qs } => {
                 let (s, mi, q) = (gpu.upload(scales)?, gpu.upload(mins)?, gpu.upload(qs)?);
