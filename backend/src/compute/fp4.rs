@@ -89,7 +89,7 @@ pub fn e4m3_encode_positive(x: f32) -> u8 {
         Some(std::cmp::Ordering::Less) => lo,
         Some(std::cmp::Ordering::Greater) => hi,
         _ => {
-            if lo % 2 == 0 {
+            if lo.is_multiple_of(2) {
                 lo
             } else {
                 hi
@@ -207,7 +207,7 @@ impl Fp4Matrix {
             let step = self.format.scale_value(self.scales[at / block]) * self.tensor_scale;
             for (i, o) in chunk.iter_mut().enumerate() {
                 let byte = self.codes[(at + i) / 2];
-                let code = if (at + i) % 2 == 0 {
+                let code = if (at + i).is_multiple_of(2) {
                     byte & 0x0f
                 } else {
                     byte >> 4
