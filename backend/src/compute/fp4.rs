@@ -226,6 +226,21 @@ impl Fp4Matrix {
         out
     }
 
+    /// The same weight with row `r` moved to row `to(r)` (a permutation):
+    /// blocks lie within rows, so codes and scales move whole.
+    pub fn permute_rows(&self, to: impl Fn(usize) -> usize) -> Fp4Matrix {
+        let (code_row, scale_row) = (self.cols / 2, self.cols / self.format.block());
+        let mut out = self.clone();
+        for r in 0..self.rows {
+            let t = to(r);
+            out.codes[t * code_row..(t + 1) * code_row]
+                .copy_from_slice(&self.codes[r * code_row..(r + 1) * code_row]);
+            out.scales[t * scale_row..(t + 1) * scale_row]
+                .copy_from_slice(&self.scales[r * scale_row..(r + 1) * scale_row]);
+        }
+        out
+    }
+
     /// Bytes stored: codes and scales (and the tensor scale).
     pub fn bytes(&self) -> usize {
         self.codes.len() + self.scales.len() + 4
@@ -333,6 +348,18 @@ mod tests {
         assert_eq!(&d[16..20], &[6.0, -3.0, 0.5, 1.5]);
         // Packing: element 16 (6 = code 7) low, element 17 (-3 = 0xd) high.
         assert_eq!(m.codes[8], 0xd7);
+    }
+
+    #[test]
+    fn permuting_rows_moves_their_values() {
+        let data: Vec<f32> = (0..3 * 32).map(|i| i as f32 / 10.0).collect();
+        let m = Fp4Matrix::quantize(Fp4Format::Nvfp4, 3, 32, &data).unwrap();
+        let p = m.permute_rows(|r| (r + 1) % 3);
+        let (a, b) = (m.dequantize(), p.dequantize());
+        for r in 0..3 {
+            let t = (r + 1) % 3;
+            assert_eq!(a[r * 32..(r + 1) * 32], b[t * 32..(t + 1) * 32]);
+        }
     }
 
     #[test]

@@ -10,6 +10,8 @@ use serde::Deserialize;
 
 use super::config::LlamaConfig;
 use super::llama::{Llama, Naming, TensorSource};
+use crate::compute::cpu::Weight;
+use crate::compute::fp4::{Fp4Format, Fp4Matrix};
 
 /// The fields of a Llama-family `config.json` that the forward pass needs.
 #[derive(Debug, Deserialize)]
@@ -93,6 +95,102 @@ impl TensorSource for Shards {
 
     fn has(&self, name: &str) -> bool {
         self.index.contains_key(name)
+    }
+
+    /// Pre-quantized FP4: NVIDIA ModelOpt's NVFP4 (`<name>`, `<name>_scale`,
+    /// `<name>_scale_2`) or gpt-oss's MXFP4 (`<base>_blocks`, `<base>_scales`
+    /// for `<base>.weight`).
+    fn quantized(&self, name: &str, rows: usize, cols: usize) -> Option<Result<Weight, String>> {
+        if self.has(&format!("{name}_scale")) {
+            return Some(self.nvfp4(name, rows, cols).map(Weight::Fp4));
+        }
+        let base = name.strip_suffix(".weight")?;
+        if self.has(&format!("{base}_blocks")) {
+            return Some(self.mxfp4(base, rows, cols).map(Weight::Fp4));
+        }
+        None
+    }
+}
+
+impl Shards {
+    /// A tensor's dtype, shape and bytes.
+    fn raw(&self, name: &str) -> Result<(Dtype, Vec<usize>, Vec<u8>), String> {
+        let &file = self
+            .index
+            .get(name)
+            .ok_or_else(|| format!("{name}: missing"))?;
+        let st = SafeTensors::deserialize(&self.files[file]).map_err(|e| e.to_string())?;
+        let view = st.tensor(name).map_err(|e| format!("{name}: {e}"))?;
+        Ok((view.dtype(), view.shape().to_vec(), view.data().to_vec()))
+    }
+
+    /// `name` (U8 [rows, cols/2]), `name_scale` (F8_E4M3 [rows, cols/16]) and
+    /// `name_scale_2` (F32, one value), as ModelOpt writes NVFP4.
+    fn nvfp4(&self, name: &str, rows: usize, cols: usize) -> Result<Fp4Matrix, String> {
+        let expect = |what: &str, got: (Dtype, Vec<usize>), want: (Dtype, &[usize])| {
+            if got.0 != want.0 || got.1 != want.1 {
+                return Err(format!(
+                    "{what}: {:?} {:?}, expected {:?} {:?}",
+                    got.0, got.1, want.0, want.1
+                ));
+            }
+            Ok(())
+        };
+        let (dt, shape, codes) = self.raw(name)?;
+        expect(name, (dt, shape), (Dtype::U8, &[rows, cols / 2]))?;
+        let scale_name = format!("{name}_scale");
+        let (dt, shape, scales) = self.raw(&scale_name)?;
+        expect(
+            &scale_name,
+            (dt, shape),
+            (Dtype::F8_E4M3, &[rows, cols / 16]),
+        )?;
+        let global_name = format!("{name}_scale_2");
+        let (dt, _, global) = self.raw(&global_name)?;
+        if dt != Dtype::F32 || global.len() != 4 {
+            return Err(format!("{global_name}: expected one F32"));
+        }
+        let fp4 = Fp4Matrix {
+            rows,
+            cols,
+            format: Fp4Format::Nvfp4,
+            codes,
+            scales,
+            tensor_scale: f32::from_le_bytes([global[0], global[1], global[2], global[3]]),
+        };
+        if !cols.is_multiple_of(16) {
+            return Err(format!("{name}: {cols} columns are not whole blocks of 16"));
+        }
+        Ok(fp4)
+    }
+
+    /// `base_blocks` (U8 [rows, cols/32, 16]) and `base_scales` (E8M0 as U8
+    /// [rows, cols/32]), as gpt-oss writes MXFP4.
+    fn mxfp4(&self, base: &str, rows: usize, cols: usize) -> Result<Fp4Matrix, String> {
+        let blocks_name = format!("{base}_blocks");
+        let (dt, shape, codes) = self.raw(&blocks_name)?;
+        if dt != Dtype::U8 || shape != [rows, cols / 32, 16] || !cols.is_multiple_of(32) {
+            return Err(format!(
+                "{blocks_name}: {dt:?} {shape:?}, expected U8 [{rows}, {}, 16]",
+                cols / 32
+            ));
+        }
+        let scales_name = format!("{base}_scales");
+        let (dt, shape, scales) = self.raw(&scales_name)?;
+        if dt != Dtype::U8 || shape != [rows, cols / 32] {
+            return Err(format!(
+                "{scales_name}: {dt:?} {shape:?}, expected U8 [{rows}, {}]",
+                cols / 32
+            ));
+        }
+        Ok(Fp4Matrix {
+            rows,
+            cols,
+            format: Fp4Format::Mxfp4,
+            codes,
+            scales,
+            tensor_scale: 1.0,
+        })
     }
 }
 
@@ -356,6 +454,56 @@ mod tests {
         let loaded = crate::model::load(&dir).unwrap();
         assert!(loaded.name.starts_with("sluice-hf-"));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn pre_quantized_fp4_tensors_load_as_written() {
+        let (rows, cols) = (4, 64);
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 9.0)
+            .collect();
+        let nv = Fp4Matrix::quantize(Fp4Format::Nvfp4, rows, cols, &values).unwrap();
+        let mx = Fp4Matrix::quantize(Fp4Format::Mxfp4, rows, cols, &values).unwrap();
+        let global = nv.tensor_scale.to_le_bytes();
+        let tensors: Vec<(&str, Dtype, Vec<usize>, &[u8])> = vec![
+            ("a.weight", Dtype::U8, vec![rows, cols / 2], &nv.codes),
+            (
+                "a.weight_scale",
+                Dtype::F8_E4M3,
+                vec![rows, cols / 16],
+                &nv.scales,
+            ),
+            ("a.weight_scale_2", Dtype::F32, vec![], &global),
+            ("b_blocks", Dtype::U8, vec![rows, cols / 32, 16], &mx.codes),
+            ("b_scales", Dtype::U8, vec![rows, cols / 32], &mx.scales),
+        ];
+        let views: Vec<(String, TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, dt, shape, bytes)| {
+                (
+                    n.to_string(),
+                    TensorView::new(*dt, shape.clone(), bytes).unwrap(),
+                )
+            })
+            .collect();
+        let shards = Shards {
+            files: vec![safetensors::serialize(views, None).unwrap()],
+            index: tensors.iter().map(|t| (t.0.to_string(), 0)).collect(),
+        };
+        assert_eq!(
+            shards.quantized("a.weight", rows, cols),
+            Some(Ok(crate::compute::cpu::Weight::Fp4(nv)))
+        );
+        assert_eq!(
+            shards.quantized("b.weight", rows, cols),
+            Some(Ok(crate::compute::cpu::Weight::Fp4(mx)))
+        );
+        // The wrong shape is refused with the tensor's name; plain tensors are
+        // not FP4.
+        let err = shards.quantized("a.weight", rows, 32).unwrap().unwrap_err();
+        assert!(err.contains("a.weight"), "{err}");
+        assert!(shards.quantized("b.weight", 2, cols).unwrap().is_err());
+        assert_eq!(shards.quantized("c.weight", rows, cols), None);
     }
 
     #[test]

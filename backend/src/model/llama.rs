@@ -173,19 +173,24 @@ fn vector(src: &dyn TensorSource, name: &str, len: usize) -> Result<Vec<f32>, St
     Ok(data)
 }
 
-/// Reorders the rows of a Q or K projection from rotate-half RoPE order (pairs
-/// `(i, i + d/2)` within each head) to adjacent pairs `(2i, 2i + 1)`.
+/// Where row `r` of a Q or K projection in rotate-half RoPE order (pairs
+/// `(i, i + d/2)` within each head) goes in adjacent-pair order `(2i, 2i + 1)`.
+fn adjacent_pair_row(r: usize, head_dim: usize) -> usize {
+    let (head, within, half) = (r / head_dim, r % head_dim, head_dim / 2);
+    head * head_dim
+        + if within < half {
+            2 * within
+        } else {
+            2 * (within - half) + 1
+        }
+}
+
+/// Reorders the rows of a Q or K projection from rotate-half RoPE order to
+/// adjacent pairs (`adjacent_pair_row`).
 fn rotate_half_to_adjacent(m: Matrix, head_dim: usize) -> Matrix {
     let mut data = vec![0.0; m.data.len()];
-    let half = head_dim / 2;
     for r in 0..m.rows {
-        let (head, within) = (r / head_dim, r % head_dim);
-        let to = head * head_dim
-            + if within < half {
-                2 * within
-            } else {
-                2 * (within - half) + 1
-            };
+        let to = adjacent_pair_row(r, head_dim);
         data[to * m.cols..(to + 1) * m.cols].copy_from_slice(m.row(r));
     }
     Matrix::new(m.rows, m.cols, data)
@@ -216,14 +221,21 @@ impl Llama {
             ));
         }
         let (h, kv) = (c.hidden, c.kv_dim());
-        // Hugging Face Q and K (never quantized here) are reordered for RoPE.
+        // Hugging Face Q and K rows are reordered for RoPE (FP4 ones too).
         let qk = |name: &str, rows: usize| -> Result<Weight, String> {
             match naming {
                 Naming::Gguf => weight(src, name, rows, h),
-                Naming::HuggingFace => Ok(Weight::F32(rotate_half_to_adjacent(
-                    matrix(src, name, rows, h)?,
-                    c.head_dim,
-                ))),
+                Naming::HuggingFace => match src.quantized(name, rows, h) {
+                    Some(Ok(Weight::Fp4(m))) => Ok(Weight::Fp4(
+                        m.permute_rows(|r| adjacent_pair_row(r, c.head_dim)),
+                    )),
+                    Some(Ok(_)) => Err(format!("{name}: unexpected quantization")),
+                    Some(Err(e)) => Err(e),
+                    None => Ok(Weight::F32(rotate_half_to_adjacent(
+                        matrix(src, name, rows, h)?,
+                        c.head_dim,
+                    ))),
+                },
             }
         };
         let layers = (0..c.n_layers)
