@@ -122,7 +122,8 @@ pub fn attention_sweep(
     batch: usize,
     context: usize,
 ) -> Result<Vec<AttentionFigure>, GpuError> {
-    use super::model::{Numerics, SplitPolicy, StepPlan, launch_attention};
+    use super::model::{Numerics, launch_attention};
+    use super::plan::{SplitPolicy, StepPlan};
     let gpu = ex.model.gpu.clone();
     gpu.bind()?;
     let c = ex.model.config.clone();

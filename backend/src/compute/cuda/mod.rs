@@ -9,6 +9,7 @@ pub mod device;
 pub mod executor;
 pub mod model;
 pub mod nvrtc;
+mod plan;
 #[cfg(test)]
 mod tests;
 pub mod transfer;

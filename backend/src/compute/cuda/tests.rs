@@ -11,7 +11,8 @@ use std::sync::Arc;
 use half::bf16;
 
 use super::device::{Gpu, elementwise, grid};
-use super::model::{CudaKvCache, SplitPolicy, StepPlan, Workspace, launch_attention};
+use super::model::{CudaKvCache, Workspace, launch_attention};
+use super::plan::{SplitPolicy, StepPlan};
 use crate::compute::cpu::{Weight, dot, rms_norm, rope, rope_table, silu, softmax};
 use crate::model::{LlamaConfig, Logits, SeqChunk};
 
