@@ -89,44 +89,39 @@ pub fn run_cuda_engine_bench(
             emit(&line);
         }
     }
+    // Each batch in both numerics (batch-invariant first, the default), and
+    // batch 1 also without CUDA graphs. Keys of the summary get `suffix`.
+    let mut decode_line =
+        |ex: &mut CudaExecutor, batch: usize, suffix: &str, tag: Value| -> anyhow::Result<()> {
+            let f = decode(ex, batch, options.context, options.steps, warmup)?;
+            let mut line = serde_json::to_value(&f)?;
+            line["bench"] = json!("decode");
+            line["engine"] = json!("sluice");
+            for (k, v) in tag.as_object().into_iter().flatten() {
+                line[k] = v.clone();
+            }
+            emit(&line);
+            summary.insert(
+                format!("decode_tok_s_b{batch}{suffix}"),
+                json!(f.tokens_per_s),
+            );
+            summary.insert(
+                format!("decode_roofline_pct_b{batch}{suffix}"),
+                json!(f.percent_of_roofline),
+            );
+            Ok(())
+        };
     for &batch in &options.batches {
-        let f = decode(&mut ex, batch, options.context, options.steps, warmup)?;
-        let mut line = serde_json::to_value(&f)?;
-        line["bench"] = json!("decode");
-        line["engine"] = json!("sluice");
-        emit(&line);
-        summary.insert(format!("decode_tok_s_b{batch}"), json!(f.tokens_per_s));
-        summary.insert(
-            format!("decode_roofline_pct_b{batch}"),
-            json!(f.percent_of_roofline),
-        );
+        decode_line(&mut ex, batch, "", json!({}))?;
     }
-    // The same batch-1 decode with every kernel launched from the host.
     if options.batches.contains(&1) {
         ex.set_graphs(false);
-        let f = decode(&mut ex, 1, options.context, options.steps, warmup)?;
+        decode_line(&mut ex, 1, "_no_graphs", json!({"cuda_graphs": false}))?;
         ex.set_graphs(true);
-        let mut line = serde_json::to_value(&f)?;
-        line["bench"] = json!("decode");
-        line["engine"] = json!("sluice");
-        line["cuda_graphs"] = json!(false);
-        emit(&line);
-        summary.insert("decode_tok_s_b1_no_graphs".into(), json!(f.tokens_per_s));
     }
-    // Every batch again with the fastest kernels, batch invariance aside.
     ex.set_numerics(Numerics::Fast);
     for &batch in &options.batches {
-        let f = decode(&mut ex, batch, options.context, options.steps, warmup)?;
-        let mut line = serde_json::to_value(&f)?;
-        line["bench"] = json!("decode");
-        line["engine"] = json!("sluice");
-        line["numerics"] = json!("fast");
-        emit(&line);
-        summary.insert(format!("decode_tok_s_b{batch}_fast"), json!(f.tokens_per_s));
-        summary.insert(
-            format!("decode_roofline_pct_b{batch}_fast"),
-            json!(f.percent_of_roofline),
-        );
+        decode_line(&mut ex, batch, "_fast", json!({"numerics": "fast"}))?;
     }
     ex.set_numerics(Numerics::BatchInvariant);
     for &prompt in &options.prompts {

@@ -531,26 +531,19 @@ fn put_weight(gpu: &Gpu, w: &Weight, dst: DevPtr) -> Result<(), GpuError> {
     let n = (w.rows() * w.cols()) as u64;
     // SAFETY (launches): the sources hold what the kernels read for n
     // elements; dst has room for n BF16 values (the caller's layout).
+    let from_f32 = |values: &[f32]| -> Result<(), GpuError> {
+        let src = gpu.upload(values)?;
+        gpu.launch(
+            "f32_to_bf16_array",
+            elementwise(n as usize),
+            &[&gpu.ptr(&src, 0), &dst, &n],
+        )?;
+        gpu.synchronize()
+    };
     match w {
-        Weight::F32(m) => {
-            let src = gpu.upload(&m.data)?;
-            gpu.launch(
-                "f32_to_bf16_array",
-                elementwise(n as usize),
-                &[&gpu.ptr(&src, 0), &dst, &n],
-            )?;
-            gpu.synchronize()?;
-        }
-        Weight::Fp4(m) => {
-            // FP4 weights run as BF16 on the GPU for now: FP4 kernels are next.
-            let src = gpu.upload(&m.dequantize())?;
-            gpu.launch(
-                "f32_to_bf16_array",
-                elementwise(n as usize),
-                &[&gpu.ptr(&src, 0), &dst, &n],
-            )?;
-            gpu.synchronize()?;
-        }
+        Weight::F32(m) => from_f32(&m.data)?,
+        // FP4 weights run as BF16 on the GPU for now: FP4 kernels are next.
+        Weight::Fp4(m) => from_f32(&m.dequantize())?,
         Weight::Quant { quant, .. } => match quant {
             Quant::Q4_1 { scales, mins, qs } => {
                 let (s, mi, q) = (gpu.upload(scales)?, gpu.upload(mins)?, gpu.upload(qs)?);
