@@ -15,7 +15,7 @@ mod common;
 use std::sync::{Arc, OnceLock};
 
 use sluice_backend::compute::cuda::{
-    ChunkResult, CudaExecutor, CudaKvCache, CudaLlama, Gpu, StepOutput, cuda_available,
+    ChunkResult, CudaExecutor, CudaKvCache, CudaLlama, Gpu, Numerics, StepOutput, cuda_available,
 };
 use sluice_backend::engine::{Device, Engine, EngineConfig, GenerateEvent, GenerateRequest};
 use sluice_backend::kv::KvStorage;
@@ -151,7 +151,14 @@ fn tokens_of(mut rx: tokio::sync::mpsc::UnboundedReceiver<GenerateEvent>) -> Vec
 
 fn engine(device: Device) -> Engine {
     let (m, t) = model();
-    Engine::start_on(device, m.clone(), t.clone(), EngineConfig::default()).unwrap()
+    Engine::start_on(
+        device,
+        Numerics::BatchInvariant,
+        m.clone(),
+        t.clone(),
+        EngineConfig::default(),
+    )
+    .unwrap()
 }
 
 fn one_at_a_time(engine: &Engine, new_tokens: u32) -> Vec<Vec<u32>> {

@@ -45,6 +45,9 @@ pub struct Config {
     /// What the in-process workers run on: `auto` (a CUDA GPU when there is
     /// one, else the CPU), `cpu`, `cuda` or `cuda:N`.
     pub device: String,
+    /// How in-process GPU workers compute: `batch-invariant` (a request's
+    /// answer does not depend on what runs beside it) or `fast`.
+    pub numerics: String,
     /// KV block size in tokens; workers must use the same.
     pub block_size: u32,
     /// Folder of `router.wasm`, `admission.wasm`, `cache-policy.wasm` (each
@@ -143,6 +146,7 @@ impl Default for Config {
             workers: Vec::new(),
             embedded_workers: 0,
             device: "auto".into(),
+            numerics: "batch-invariant".into(),
             block_size: 16,
             plugins_dir: None,
             api_keys: Vec::new(),
@@ -271,6 +275,9 @@ impl Config {
         self.device
             .parse::<sluice_backend::engine::Device>()
             .map_err(|e| ConfigError::Invalid(format!("device: {e}")))?;
+        self.numerics
+            .parse::<sluice_backend::compute::cuda::Numerics>()
+            .map_err(|e| ConfigError::Invalid(format!("numerics: {e}")))?;
         if let Some(k) = self.api_keys.iter().find(|k| k.tenant == 0) {
             return Err(ConfigError::Invalid(format!(
                 "API key {}…: tenant 0 is reserved for anonymous requests",

@@ -298,8 +298,10 @@ async fn start_embedded_worker(
     use sluice_backend::engine::{Device, Engine, EngineConfig};
     use sluice_backend::server::WorkerState;
     let device: Device = config.device.parse().map_err(std::io::Error::other)?;
+    let numerics = config.numerics.parse().map_err(std::io::Error::other)?;
     let engine = Engine::start_on(
         device,
+        numerics,
         llama,
         tokenizer,
         EngineConfig {

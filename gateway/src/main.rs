@@ -97,6 +97,10 @@ enum Command {
         /// runs through the reference kernels on the CPU, as BF16 on the GPU)
         #[arg(long, default_value = "as-loaded")]
         weights: sluice_backend::model::WeightFormat,
+        /// On a GPU: batch-invariant (an answer does not depend on what runs
+        /// beside it) or fast (BENCHMARKS.md, "CUDA engine")
+        #[arg(long, default_value = "batch-invariant")]
+        numerics: sluice_backend::compute::cuda::Numerics,
     },
     /// The CUDA kernels.
     Kernels {
@@ -392,10 +396,12 @@ fn run() -> anyhow::Result<()> {
             advertise,
             device,
             weights,
+            numerics,
         } => {
             let config = WorkerConfig {
                 device,
                 weights,
+                numerics,
                 register,
                 advertise,
                 register_token: std::env::var("SLUICE_ADMIN_TOKEN").ok(),

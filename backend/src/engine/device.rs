@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::core::{Engine, EngineConfig};
 use crate::compute::cuda::nvrtc::nvrtc_present;
-use crate::compute::cuda::{CudaExecutor, CudaLlama, Gpu, GpuError, cuda_available};
+use crate::compute::cuda::{CudaExecutor, CudaLlama, Gpu, GpuError, Numerics, cuda_available};
 use crate::model::{Llama, Tokenizer};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -66,9 +66,11 @@ impl Device {
 
 impl Engine {
     /// Starts the engine over `model` on `device`: the CPU forward pass, or the
-    /// weights copied to the GPU with a KV cache of `config.kv_blocks` pages.
+    /// weights copied to the GPU with a KV cache of `config.kv_blocks` pages,
+    /// computing with `numerics` (the CPU's are batch-invariant already).
     pub fn start_on(
         device: Device,
+        numerics: Numerics,
         model: Arc<Llama>,
         tokenizer: Arc<Tokenizer>,
         config: EngineConfig,
@@ -78,11 +80,13 @@ impl Engine {
                 let started = std::time::Instant::now();
                 let gpu = Gpu::open(ordinal)?;
                 let cuda = CudaLlama::from_host(gpu.clone(), &model)?;
-                let executor =
+                let mut executor =
                     CudaExecutor::new(cuda, config.kv_blocks as usize, config.block_size)?;
+                executor.set_numerics(numerics);
                 tracing::info!(
                     gpu = %gpu.name,
                     arch = %gpu.arch,
+                    ?numerics,
                     load_ms = started.elapsed().as_millis() as u64,
                     "engine on CUDA"
                 );
@@ -104,5 +108,11 @@ mod tests {
         assert_eq!("cpu".parse::<Device>(), Ok(Device::Cpu));
         assert!("gpu".parse::<Device>().is_err());
         assert_eq!(Device::Cuda(1).to_string(), "cuda:1");
+        assert_eq!("fast".parse::<Numerics>(), Ok(Numerics::Fast));
+        assert_eq!(
+            "batch-invariant".parse::<Numerics>(),
+            Ok(Numerics::BatchInvariant)
+        );
+        assert!("exact".parse::<Numerics>().is_err());
     }
 }

@@ -145,6 +145,8 @@ pub struct WorkerConfig {
     pub engine: crate::engine::EngineConfig,
     /// CPU or CUDA (`auto`: a GPU when there is one).
     pub device: crate::engine::Device,
+    /// How the GPU computes (batch-invariant, or fast).
+    pub numerics: crate::compute::cuda::Numerics,
     /// The linear layers' precision (`as-loaded`: the file's).
     pub weights: crate::model::WeightFormat,
     /// A gateway to register with (its base URL), again every few seconds.
@@ -200,6 +202,7 @@ pub async fn run_worker(config: WorkerConfig) -> Result<(), WorkerError> {
         .map_err(WorkerError::Weights)?;
     let engine = Engine::start_on(
         config.device,
+        config.numerics,
         Arc::new(llama),
         Arc::new(loaded.tokenizer),
         config.engine,

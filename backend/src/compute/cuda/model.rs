@@ -71,6 +71,17 @@ pub enum Numerics {
     Fast,
 }
 
+impl std::str::FromStr for Numerics {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Numerics, String> {
+        match s {
+            "batch-invariant" => Ok(Numerics::BatchInvariant),
+            "fast" => Ok(Numerics::Fast),
+            _ => Err(format!("unknown numerics {s:?}: batch-invariant or fast")),
+        }
+    }
+}
+
 /// What a step gives back for the tokens that asked for logits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StepOutput {
