@@ -260,6 +260,58 @@ fn continuous_batching_on_the_gpu_gives_the_same_tokens() {
     }
 }
 
+/// Each prompt (sequence s in pages `tables[s]`) prefilled in one step; the
+/// greedy first token of each.
+fn prefill_greedy(ex: &mut CudaExecutor, prompts: &[Vec<u32>], tables: &[Vec<u32>]) -> Vec<u32> {
+    let chunks: Vec<SeqChunk<'_>> = (0..prompts.len())
+        .map(|s| SeqChunk {
+            tokens: &prompts[s],
+            start: 0,
+            block_table: &tables[s],
+            logits: Logits::Last,
+        })
+        .collect();
+    ex.step(&chunks, StepOutput::Argmax)
+        .unwrap()
+        .into_iter()
+        .map(|r| match r {
+            ChunkResult::Tokens(t) => t[0],
+            ChunkResult::Logits(_) => panic!("asked for tokens"),
+        })
+        .collect()
+}
+
+/// `steps` greedy decode steps of every sequence after its prompt, from its
+/// first token; each sequence's tokens, the first included.
+fn decode_greedy(
+    ex: &mut CudaExecutor,
+    prompts: &[Vec<u32>],
+    tables: &[Vec<u32>],
+    first: Vec<u32>,
+    steps: usize,
+) -> Vec<Vec<u32>> {
+    let mut out: Vec<Vec<u32>> = first.into_iter().map(|t| vec![t]).collect();
+    for step in 0..steps {
+        let last: Vec<[u32; 1]> = out.iter().map(|t| [*t.last().unwrap()]).collect();
+        let chunks: Vec<SeqChunk<'_>> = (0..prompts.len())
+            .map(|s| SeqChunk {
+                tokens: &last[s],
+                start: prompts[s].len() + step,
+                block_table: &tables[s],
+                logits: Logits::Last,
+            })
+            .collect();
+        let results = ex.step(&chunks, StepOutput::Argmax).unwrap();
+        for (s, r) in results.into_iter().enumerate() {
+            let ChunkResult::Tokens(t) = r else {
+                panic!("asked for tokens")
+            };
+            out[s].extend(t);
+        }
+    }
+    out
+}
+
 #[test]
 fn decode_graphs_give_the_same_tokens_as_direct_launches() {
     if !gpu_present() {
@@ -280,45 +332,8 @@ fn decode_graphs_give_the_same_tokens_as_direct_launches() {
                     .collect()
             })
             .collect();
-        let chunks: Vec<SeqChunk<'_>> = (0..3)
-            .map(|s| SeqChunk {
-                tokens: &prompts[s],
-                start: 0,
-                block_table: &tables[s],
-                logits: Logits::Last,
-            })
-            .collect();
-        let first = ex.step(&chunks, StepOutput::Argmax).unwrap();
-        let mut out: Vec<Vec<u32>> = first
-            .into_iter()
-            .map(|r| match r {
-                ChunkResult::Tokens(t) => t,
-                ChunkResult::Logits(_) => panic!("asked for tokens"),
-            })
-            .collect();
-        for step in 0..40 {
-            let last: Vec<[u32; 1]> = out.iter().map(|t| [*t.last().unwrap()]).collect();
-            let chunks: Vec<SeqChunk<'_>> = (0..3)
-                .map(|s| SeqChunk {
-                    tokens: &last[s],
-                    start: prompts[s].len() + step,
-                    block_table: &tables[s],
-                    logits: Logits::Last,
-                })
-                .collect();
-            for (s, r) in ex
-                .step(&chunks, StepOutput::Argmax)
-                .unwrap()
-                .into_iter()
-                .enumerate()
-            {
-                let ChunkResult::Tokens(t) = r else {
-                    panic!("asked for tokens")
-                };
-                out[s].extend(t);
-            }
-        }
-        out
+        let first = prefill_greedy(ex, &prompts, &tables);
+        decode_greedy(ex, &prompts, &tables, first, 40)
     };
     let direct = run(&mut ex, false);
     let graphed = run(&mut ex, true);
@@ -432,61 +447,17 @@ fn prefill_on_one_gpu_and_decode_on_another_equals_aggregated() {
     let tables: Vec<Vec<u32>> = (0..3u32)
         .map(|s| (32 * s..32 * (s + 1)).collect())
         .collect();
-    let prefill = |ex: &mut CudaExecutor| -> Vec<u32> {
-        let chunks: Vec<SeqChunk<'_>> = (0..3)
-            .map(|s| SeqChunk {
-                tokens: &prompts[s],
-                start: 0,
-                block_table: &tables[s],
-                logits: Logits::Last,
-            })
-            .collect();
-        ex.step(&chunks, StepOutput::Argmax)
-            .unwrap()
-            .into_iter()
-            .map(|r| match r {
-                ChunkResult::Tokens(t) => t[0],
-                ChunkResult::Logits(_) => panic!("asked for tokens"),
-            })
-            .collect()
-    };
-    let decode = |ex: &mut CudaExecutor, first: Vec<u32>| -> Vec<Vec<u32>> {
-        let mut out: Vec<Vec<u32>> = first.into_iter().map(|t| vec![t]).collect();
-        for step in 0..32 {
-            let last: Vec<[u32; 1]> = out.iter().map(|t| [*t.last().unwrap()]).collect();
-            let chunks: Vec<SeqChunk<'_>> = (0..3)
-                .map(|s| SeqChunk {
-                    tokens: &last[s],
-                    start: prompts[s].len() + step,
-                    block_table: &tables[s],
-                    logits: Logits::Last,
-                })
-                .collect();
-            for (s, r) in ex
-                .step(&chunks, StepOutput::Argmax)
-                .unwrap()
-                .into_iter()
-                .enumerate()
-            {
-                let ChunkResult::Tokens(t) = r else {
-                    panic!("asked for tokens")
-                };
-                out[s].extend(t);
-            }
-        }
-        out
-    };
     let mut aggregated = executor(&g0);
-    let first = prefill(&mut aggregated);
-    let want = decode(&mut aggregated, first);
+    let first = prefill_greedy(&mut aggregated, &prompts, &tables);
+    let want = decode_greedy(&mut aggregated, &prompts, &tables, first, 32);
 
     let (mut p, mut d) = (executor(&g0), executor(&g1));
-    let first = prefill(&mut p);
+    let first = prefill_greedy(&mut p, &prompts, &tables);
     enable_peer_access(&g1, &g0).unwrap();
     let pages: Vec<u32> = (0..3)
         .flat_map(|s| tables[s][..prompts[s].len().div_ceil(16)].to_vec())
         .collect();
     copy_pages(&g1, &mut d.kv, &pages, &g0, &p.kv, &pages).unwrap();
-    let got = decode(&mut d, first);
+    let got = decode_greedy(&mut d, &prompts, &tables, first, 32);
     assert_eq!(got, want);
 }
