@@ -143,7 +143,7 @@ fn tokens_of(mut rx: tokio::sync::mpsc::UnboundedReceiver<GenerateEvent>) -> Vec
             GenerateEvent::Token(t) => ids.push(t.id),
             GenerateEvent::Finished { .. } => break,
             GenerateEvent::Error { message, .. } => panic!("engine error: {message}"),
-            GenerateEvent::Started { .. } => {}
+            GenerateEvent::Started { .. } | GenerateEvent::AwaitingKv { .. } => {}
         }
     }
     ids

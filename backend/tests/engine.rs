@@ -75,6 +75,7 @@ fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<GenerateEvent>) -> Outco
                 break;
             }
             GenerateEvent::Error { message, .. } => panic!("engine error: {message}"),
+            GenerateEvent::AwaitingKv { .. } => panic!("not a remote-prefill request"),
         }
     }
     out

@@ -4,11 +4,17 @@
 //! prefill), runs the executor over the whole batch (the model's forward
 //! pass, or the simulator's timing model), samples, and streams tokens back. When blocks run out, the youngest running sequence is preempted
 //! and later recomputed. A request whose receiver is dropped is cancelled.
+//!
+//! Disaggregation adds two kinds of sequence: an *export* (a prefill worker's
+//! request: prefill only, each step's finished blocks sent out as
+//! [`KvExport`]s, no sampling) and an *import* (a decode worker's
+//! `remote_prefill` request: admitted with its blocks reserved, it waits in
+//! `receiving` until a transfer has filled them, then decodes as usual).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{broadcast, mpsc as tmpsc};
 
@@ -18,6 +24,7 @@ use super::sampling::{Sampled, Sampler};
 use super::types::{FinishReason, GenerateEvent, GenerateRequest, Load, TokenOut, Usage};
 use crate::kv::{BlockPool, KvEvent, KvStorage, PoolUsage, hash};
 use crate::model::{Llama, Logits, SeqChunk, Tokenizer};
+use crate::transfer::{KvDtype, KvExport, KvLayout, convert};
 
 /// Sizes of the engine.
 #[derive(Clone, Debug)]
@@ -28,8 +35,10 @@ pub struct EngineConfig {
     pub kv_blocks: u32,
     /// Tokens one step may feed (decode tokens plus prefill chunks).
     pub step_tokens: usize,
-    /// Sequences running at once.
+    /// Sequences running at once (waiting for KV from a prefill worker counts).
     pub max_running: usize,
+    /// How long a `remote_prefill` request waits for its KV once admitted.
+    pub kv_wait: Duration,
 }
 
 impl Default for EngineConfig {
@@ -39,6 +48,7 @@ impl Default for EngineConfig {
             kv_blocks: 512,
             step_tokens: 256,
             max_running: 16,
+            kv_wait: Duration::from_secs(30),
         }
     }
 }
@@ -52,11 +62,37 @@ pub struct NumberedKvEvent {
     pub event: KvEvent,
 }
 
+/// One step of a transfer into a `remote_prefill` request's reserved blocks
+/// (what the transport's receiving end passes on).
+#[derive(Debug)]
+pub enum KvIntake {
+    /// A sender connected: its layout must match this worker's.
+    Begin(KvLayout),
+    /// The next blocks, in order, in the sender's dtype.
+    Blocks {
+        first_block: u32,
+        n_blocks: u32,
+        data: Vec<u8>,
+        dtype: KvDtype,
+    },
+    /// Every block was sent: the request starts decoding.
+    Done { blocks: u32 },
+    /// The transfer broke: the request fails and its blocks are released.
+    Abort(String),
+}
+
 enum Command {
     Submit {
         id: u64,
         request: GenerateRequest,
         out: tmpsc::UnboundedSender<GenerateEvent>,
+        /// Prefill only: (first block wanted, where finished blocks go).
+        export: Option<(u32, tmpsc::UnboundedSender<KvExport>)>,
+    },
+    Kv {
+        handle: u64,
+        intake: KvIntake,
+        reply: tokio::sync::oneshot::Sender<Result<(), String>>,
     },
     Cancel(u64),
     /// Answer (last event number, every cached block hash), taken between
@@ -76,6 +112,8 @@ pub struct Engine {
     pub context: usize,
     pub vocab: usize,
     pub tokenizer: Arc<Tokenizer>,
+    /// How this engine's KV blocks look on the wire.
+    pub kv_layout: KvLayout,
 }
 
 impl Engine {
@@ -108,11 +146,13 @@ impl Engine {
         }));
         let (kv_events, _) = broadcast::channel(4096);
         let (context, vocab) = (executor.context(), executor.vocab());
+        let kv_layout = executor.kv_layout();
         let core = Core {
             pool: BlockPool::new(config.kv_blocks),
             executor,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            receiving: Vec::new(),
             commands: rx,
             load: load.clone(),
             kv_events: kv_events.clone(),
@@ -136,6 +176,7 @@ impl Engine {
             context,
             vocab,
             tokenizer,
+            kv_layout,
         }
     }
 
@@ -145,6 +186,34 @@ impl Engine {
         &self,
         request: GenerateRequest,
     ) -> (u64, tmpsc::UnboundedReceiver<GenerateEvent>) {
+        self.submit_as(request, None)
+    }
+
+    /// Queues a prefill-only request (a prefill worker's half of a
+    /// disaggregated request): the prompt without its last token is
+    /// prefilled, and the blocks from `from_block` on come out on the second
+    /// receiver as each step finishes them. Events: `started`, then
+    /// `finished` (no tokens) once every block has been handed over, or
+    /// `error`. Dropping either receiver cancels the request.
+    pub fn submit_prefill(
+        &self,
+        request: GenerateRequest,
+        from_block: u32,
+    ) -> (
+        u64,
+        tmpsc::UnboundedReceiver<GenerateEvent>,
+        tmpsc::UnboundedReceiver<KvExport>,
+    ) {
+        let (kv_out, kv_rx) = tmpsc::unbounded_channel();
+        let (id, rx) = self.submit_as(request, Some((from_block, kv_out)));
+        (id, rx, kv_rx)
+    }
+
+    fn submit_as(
+        &self,
+        request: GenerateRequest,
+        export: Option<(u32, tmpsc::UnboundedSender<KvExport>)>,
+    ) -> (u64, tmpsc::UnboundedReceiver<GenerateEvent>) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (out, rx) = tmpsc::unbounded_channel();
         let commands = self.commands.lock().unwrap_or_else(|e| e.into_inner());
@@ -153,6 +222,7 @@ impl Engine {
                 id,
                 request,
                 out: out.clone(),
+                export,
             })
             .is_err()
         {
@@ -162,6 +232,26 @@ impl Engine {
             });
         }
         (id, rx)
+    }
+
+    /// Passes one step of a KV transfer to the request `handle` (the id its
+    /// `awaiting_kv` event named); resolves once the engine has applied it.
+    /// Any error fails that request and releases its blocks.
+    pub async fn receive_kv(&self, handle: u64, intake: KvIntake) -> Result<(), String> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        {
+            let commands = self.commands.lock().unwrap_or_else(|e| e.into_inner());
+            commands
+                .send(Command::Kv {
+                    handle,
+                    intake,
+                    reply,
+                })
+                .map_err(|_| "the engine has stopped".to_string())?;
+        }
+        answer
+            .await
+            .unwrap_or_else(|_| Err("the engine has stopped".into()))
     }
 
     pub fn cancel(&self, id: u64) {
@@ -219,6 +309,25 @@ struct Seq {
     detok: Detokenizer,
     cached_tokens: u32,
     started: bool,
+    mode: Mode,
+}
+
+/// What a sequence does besides plain generation (disaggregation).
+enum Mode {
+    Generate,
+    /// Prefill only: blocks from `next_block` on go out when finished.
+    Export {
+        next_block: usize,
+        out: tmpsc::UnboundedSender<KvExport>,
+    },
+    /// Blocks `from_block..to_block` come from a prefill worker; `received`
+    /// of them have landed.
+    Import {
+        from_block: usize,
+        to_block: usize,
+        received: usize,
+        deadline: Instant,
+    },
 }
 
 impl Seq {
@@ -243,6 +352,14 @@ impl Seq {
     fn send(&self, event: GenerateEvent) -> bool {
         self.out.send(event).is_ok()
     }
+
+    /// When an import stops waiting for its KV.
+    fn kv_deadline(&self) -> Option<Instant> {
+        match self.mode {
+            Mode::Import { deadline, .. } => Some(deadline),
+            _ => None,
+        }
+    }
 }
 
 struct Core {
@@ -250,6 +367,8 @@ struct Core {
     executor: Box<dyn Executor>,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
+    /// Admitted `remote_prefill` requests waiting for their KV.
+    receiving: Vec<Seq>,
     commands: mpsc::Receiver<Command>,
     load: Arc<Mutex<Load>>,
     kv_events: broadcast::Sender<NumberedKvEvent>,
@@ -264,11 +383,21 @@ struct Core {
 impl Core {
     fn run(mut self) {
         loop {
-            // Block only when idle; otherwise take what has arrived.
+            // Block only when idle (until the next KV deadline, if a request
+            // waits for KV); otherwise take what has arrived.
             if self.waiting.is_empty() && self.running.is_empty() {
-                match self.commands.recv() {
+                let deadline = self.receiving.iter().filter_map(Seq::kv_deadline).min();
+                let next = match deadline {
+                    None => self.commands.recv().map_err(|_| true),
+                    Some(d) => self
+                        .commands
+                        .recv_timeout(d.saturating_duration_since(Instant::now()))
+                        .map_err(|e| e == mpsc::RecvTimeoutError::Disconnected),
+                };
+                match next {
                     Ok(c) => self.command(c),
-                    Err(_) => return, // every handle is gone
+                    Err(true) => return, // every handle is gone
+                    Err(false) => {}     // a deadline: `step` fails the late ones
                 }
             }
             loop {
@@ -276,7 +405,10 @@ impl Core {
                     Ok(c) => self.command(c),
                     Err(mpsc::TryRecvError::Empty) => break,
                     Err(mpsc::TryRecvError::Disconnected) => {
-                        if self.waiting.is_empty() && self.running.is_empty() {
+                        if self.waiting.is_empty()
+                            && self.running.is_empty()
+                            && self.receiving.is_empty()
+                        {
                             return;
                         }
                         break;
@@ -290,10 +422,19 @@ impl Core {
 
     fn command(&mut self, command: Command) {
         match command {
-            Command::Submit { id, request, out } => {
+            Command::Submit {
+                id,
+                mut request,
+                out,
+                export,
+            } => {
                 let blocks_needed = (request.prompt.len() + 1).div_ceil(self.config.block_size);
                 let problem = if request.prompt.is_empty() {
                     Some("the prompt is empty".to_string())
+                } else if export.is_some() && request.prompt.len() < 2 {
+                    Some("a prefill-only request needs at least two prompt tokens".to_string())
+                } else if export.is_some() && request.remote_prefill {
+                    Some("a request cannot both prefill for another worker and wait for one".into())
                 } else if request.prompt.len() >= self.context {
                     Some(format!(
                         "the prompt has {} tokens; this model's context is {}",
@@ -330,8 +471,21 @@ impl Core {
                 if !request.ignore_eos {
                     stop_ids.extend(&self.tokenizer.stop_ids);
                 }
+                // An export prefills all but the last prompt token: the
+                // decode worker runs that one and samples.
+                let mode = match export {
+                    Some((from_block, out)) => {
+                        request.prompt.pop();
+                        Mode::Export {
+                            next_block: from_block as usize,
+                            out,
+                        }
+                    }
+                    None => Mode::Generate,
+                };
                 let prompt_len = request.prompt.len();
                 let seq = Seq {
+                    mode,
                     id,
                     tokens: request.prompt.clone(),
                     prompt_len,
@@ -351,6 +505,13 @@ impl Core {
                 };
                 self.waiting.push_back(seq);
             }
+            Command::Kv {
+                handle,
+                intake,
+                reply,
+            } => {
+                let _ = reply.send(self.receive_kv(handle, intake));
+            }
             Command::Snapshot(reply) => {
                 let _ = reply.send((self.event_seq, self.pool.cached_hashes()));
             }
@@ -361,7 +522,141 @@ impl Core {
                 } else if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
                     let seq = self.waiting.remove(i).expect("index found");
                     self.finish(seq, FinishReason::Cancelled);
+                } else if let Some(i) = self.receiving.iter().position(|s| s.id == id) {
+                    let seq = self.receiving.remove(i);
+                    self.finish(seq, FinishReason::Cancelled);
                 }
+            }
+        }
+    }
+
+    /// Applies one step of a transfer into a receiving request; on any
+    /// error the request fails and its blocks are released.
+    fn receive_kv(&mut self, handle: u64, intake: KvIntake) -> Result<(), String> {
+        let Some(i) = self.receiving.iter().position(|s| s.id == handle) else {
+            return Err(format!(
+                "no request here is waiting for KV under handle {handle} (finished, cancelled or timed out)"
+            ));
+        };
+        let ours = self.executor.kv_layout();
+        let seq = &mut self.receiving[i];
+        let Mode::Import {
+            from_block,
+            to_block,
+            received,
+            ..
+        } = &mut seq.mode
+        else {
+            unreachable!("only imports wait in `receiving`");
+        };
+        let result = match intake {
+            KvIntake::Begin(theirs) => ours.mismatch(&theirs).map_or(Ok(()), Err),
+            KvIntake::Blocks {
+                first_block,
+                n_blocks,
+                data,
+                dtype,
+            } => {
+                let (first, n) = (first_block as usize, n_blocks as usize);
+                let expected = *from_block + *received;
+                let bytes = n * KvLayout { dtype, ..ours }.block_bytes();
+                if first != expected {
+                    Err(format!(
+                        "block {first} arrived where block {expected} was due"
+                    ))
+                } else if first + n > *to_block {
+                    Err(format!(
+                        "blocks {first}..{} go past the reservation's end, block {to_block}",
+                        first + n
+                    ))
+                } else if data.len() != bytes {
+                    Err(format!(
+                        "{n} blocks came as {} bytes; they take {bytes}",
+                        data.len()
+                    ))
+                } else {
+                    let data = convert(&data, dtype, ours.dtype);
+                    self.executor.write_kv(&seq.blocks[first..first + n], &data);
+                    *received += n;
+                    Ok(())
+                }
+            }
+            KvIntake::Done { blocks } => {
+                let wanted = *to_block - *from_block;
+                if *received == wanted && blocks as usize == wanted {
+                    let mut seq = self.receiving.remove(i);
+                    seq.computed = seq.tokens.len() - 1;
+                    seq.mode = Mode::Generate;
+                    self.running.push(seq);
+                    return Ok(());
+                }
+                Err(format!(
+                    "the transfer ended after {received} of {wanted} blocks (the sender counted {blocks})"
+                ))
+            }
+            KvIntake::Abort(reason) => Err(reason),
+        };
+        if let Err(e) = &result {
+            let seq = self.receiving.remove(i);
+            self.fail(seq, format!("the KV transfer failed: {e}"), 503);
+        }
+        result
+    }
+
+    /// Releases a sequence's blocks and ends it with an error.
+    fn fail(&mut self, mut seq: Seq, message: String, status: u16) {
+        tracing::warn!(request = seq.id, %message, "request failed");
+        self.pool.release(&seq.blocks);
+        seq.blocks.clear();
+        seq.send(GenerateEvent::Error {
+            message,
+            status: Some(status),
+        });
+    }
+
+    /// Sends the blocks of `running[i]` (an export) that are finished now;
+    /// false if nobody takes them any more.
+    fn export_ready(&mut self, i: usize) -> bool {
+        let bs = self.config.block_size;
+        let seq = &mut self.running[i];
+        let Mode::Export { next_block, out } = &mut seq.mode else {
+            return true;
+        };
+        let ready = if seq.computed == seq.tokens.len() {
+            seq.tokens.len().div_ceil(bs)
+        } else {
+            seq.computed / bs
+        };
+        if ready <= *next_block {
+            return true;
+        }
+        let data = self.executor.read_kv(&seq.blocks[*next_block..ready]);
+        let sent = out.send(KvExport {
+            first_block: *next_block as u32,
+            n_blocks: (ready - *next_block) as u32,
+            data,
+        });
+        *next_block = ready;
+        sent.is_ok()
+    }
+
+    /// Exports that have prefilled everything hand over their last blocks
+    /// and finish.
+    fn finish_exports(&mut self) {
+        let mut i = self.running.len();
+        while i > 0 {
+            i -= 1;
+            let seq = &self.running[i];
+            if !matches!(seq.mode, Mode::Export { .. }) {
+                continue;
+            }
+            let complete = seq.computed == seq.tokens.len();
+            if !self.export_ready(i) {
+                let seq = self.running.remove(i);
+                self.finish(seq, FinishReason::Cancelled);
+            } else if complete {
+                let seq = self.running.remove(i);
+                self.finish(seq, FinishReason::Stop);
             }
         }
     }
@@ -409,8 +704,13 @@ impl Core {
             return false;
         };
         let mut seq = self.waiting.pop_front().expect("front exists");
-        // At least the last token is fed, to get its logits.
-        seq.computed = (alloc.cached_blocks * bs).min(seq.tokens.len() - 1);
+        // At least the last token is fed, to get its logits (an export wants
+        // no logits: it may be cached whole).
+        let most = match seq.mode {
+            Mode::Export { .. } => seq.tokens.len(),
+            _ => seq.tokens.len() - 1,
+        };
+        seq.computed = (alloc.cached_blocks * bs).min(most);
         seq.committed = alloc.cached_blocks;
         seq.blocks = alloc.blocks;
         if !seq.started {
@@ -422,6 +722,33 @@ impl Core {
             });
             if !ok {
                 self.finish(seq, FinishReason::Cancelled);
+                return true;
+            }
+            if seq.request.remote_prefill {
+                // Blocks from the cached prefix up to the last prompt token
+                // come from the prefill worker; the rest is computed here.
+                let (from, to) = (seq.computed, seq.tokens.len() - 1);
+                let (from_block, to_block) = (from / bs, to.div_ceil(bs));
+                let blocks = if from < to { to_block - from_block } else { 0 };
+                let ok = seq.send(GenerateEvent::AwaitingKv {
+                    handle: seq.id,
+                    from_block: from_block as u32,
+                    blocks: blocks as u32,
+                    addr: String::new(),
+                });
+                if !ok {
+                    self.finish(seq, FinishReason::Cancelled);
+                } else if blocks > 0 {
+                    seq.mode = Mode::Import {
+                        from_block,
+                        to_block,
+                        received: 0,
+                        deadline: Instant::now() + self.config.kv_wait,
+                    };
+                    self.receiving.push(seq);
+                } else {
+                    self.running.push(seq);
+                }
                 return true;
             }
         }
@@ -444,9 +771,29 @@ impl Core {
             }
         }
         self.waiting.retain(|s| !s.out.is_closed());
+        let now = Instant::now();
+        let mut i = 0;
+        while i < self.receiving.len() {
+            let seq = &self.receiving[i];
+            if seq.out.is_closed() {
+                let seq = self.receiving.remove(i);
+                self.finish(seq, FinishReason::Cancelled);
+            } else if seq.kv_deadline().is_some_and(|d| d <= now) {
+                let seq = self.receiving.remove(i);
+                let wait = self.config.kv_wait;
+                self.fail(
+                    seq,
+                    format!("no KV arrived from the prefill worker within {wait:?}"),
+                    504,
+                );
+            } else {
+                i += 1;
+            }
+        }
 
         // Admit while there is room; running sequences come first.
-        while self.running.len() < self.config.max_running && self.admit() {}
+        while self.running.len() + self.receiving.len() < self.config.max_running && self.admit() {}
+        self.finish_exports();
 
         // Plan: (running index, tokens to feed), within the step budget; make
         // room for decode growth, preempting the youngest if blocks run out.
@@ -490,7 +837,9 @@ impl Core {
                     tokens: &s.tokens[s.computed..s.computed + take],
                     start: s.computed,
                     block_table: &s.blocks,
-                    logits: if s.computed + take == s.tokens.len() {
+                    logits: if s.computed + take == s.tokens.len()
+                        && !matches!(s.mode, Mode::Export { .. })
+                    {
                         Logits::Last
                     } else {
                         Logits::None
@@ -508,7 +857,9 @@ impl Core {
             seq.computed += take;
             // Full blocks become reusable by later requests.
             seq.hash_blocks(bs, seq.computed);
-            while seq.committed < seq.hashes.len() {
+            // Only blocks whose K and V are computed (admission hashed the
+            // whole prompt; chunked prefill computes it step by step).
+            while seq.committed < seq.hashes.len() && (seq.committed + 1) * bs <= seq.computed {
                 let k = seq.committed;
                 let parent = if k == 0 {
                     None
@@ -573,6 +924,7 @@ impl Core {
             let seq = self.running.remove(i);
             self.finish(seq, reason);
         }
+        self.finish_exports();
     }
 
     /// Publishes KV events and the load after a step.
@@ -592,7 +944,7 @@ impl Core {
             .chain(self.running.iter().map(|s| s.tokens.len() - s.computed))
             .sum();
         *self.load.lock().unwrap_or_else(|e| e.into_inner()) = Load {
-            active_requests: self.running.len() as u32,
+            active_requests: (self.running.len() + self.receiving.len()) as u32,
             waiting_requests: self.waiting.len() as u32,
             queued_prefill_tokens: queued as u32,
             kv_blocks_used: used,

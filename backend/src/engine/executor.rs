@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use crate::kv::KvStorage;
 use crate::model::{Llama, SeqChunk};
+use crate::transfer::{KvDtype, KvLayout};
 
 /// What a chunk of the batch gives back.
 #[derive(Clone, Debug, PartialEq)]
@@ -27,6 +28,13 @@ pub trait Executor: Send + 'static {
     fn vocab(&self) -> usize;
     /// One answer per chunk, in order.
     fn run(&mut self, chunks: &[SeqChunk<'_>]) -> Vec<Next>;
+    /// How this executor's KV blocks look outside it (disaggregation).
+    fn kv_layout(&self) -> KvLayout;
+    /// The bytes of `blocks` in the [`KvLayout`] format, one after another.
+    fn read_kv(&mut self, blocks: &[u32]) -> Vec<u8>;
+    /// Writes `data` (blocks in the [`KvLayout`] format, in this executor's
+    /// dtype) into `blocks`.
+    fn write_kv(&mut self, blocks: &[u32], data: &[u8]);
 }
 
 /// The real thing: the Llama forward pass, with K and V in `storage`.
@@ -43,6 +51,43 @@ impl Executor for ModelExecutor {
 
     fn vocab(&self) -> usize {
         self.model.config.vocab
+    }
+
+    fn kv_layout(&self) -> KvLayout {
+        KvLayout {
+            n_layers: self.storage.n_layers as u32,
+            block_size: self.storage.block_size as u32,
+            kv_dim: self.storage.kv_dim as u32,
+            dtype: KvDtype::F32,
+        }
+    }
+
+    fn read_kv(&mut self, blocks: &[u32]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(blocks.len() * self.kv_layout().block_bytes());
+        for &block in blocks {
+            for layer in 0..self.storage.n_layers {
+                let (k, v) = self.storage.block(layer, block);
+                out.extend(k.iter().flat_map(|x| x.to_le_bytes()));
+                out.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+            }
+        }
+        out
+    }
+
+    fn write_kv(&mut self, blocks: &[u32], data: &[u8]) {
+        let span = self.storage.block_size * self.storage.kv_dim * 4;
+        let mut parts = data.chunks_exact(span);
+        for &block in blocks {
+            for layer in 0..self.storage.n_layers {
+                let (k, v) = self.storage.block_mut(layer, block);
+                for (dst, src) in [(k, parts.next()), (v, parts.next())] {
+                    let src = src.expect("the engine checked the data's length");
+                    for (x, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                        *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    }
+                }
+            }
+        }
     }
 
     fn run(&mut self, chunks: &[SeqChunk<'_>]) -> Vec<Next> {

@@ -28,6 +28,11 @@ pub struct GenerateRequest {
     pub cache_priority: u8,
     #[serde(default)]
     pub tenant_id: u32,
+    /// Disaggregation: reserve the prompt's KV blocks and wait for a prefill
+    /// worker to fill them (the `awaiting_kv` event says which), instead of
+    /// prefilling here.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub remote_prefill: bool,
 }
 
 impl GenerateRequest {
@@ -42,6 +47,7 @@ impl GenerateRequest {
             cache_salt: 0,
             cache_priority: 0,
             tenant_id: 0,
+            remote_prefill: false,
         }
     }
 }
@@ -87,6 +93,18 @@ pub enum GenerateEvent {
     Started {
         prompt_tokens: u32,
         cached_tokens: u32,
+    },
+    /// A `remote_prefill` request holds its blocks: a prefill worker sends
+    /// blocks `from_block..from_block + blocks` of it (the earlier ones are
+    /// cached here) under `handle` to `addr`, this worker's KV listener.
+    /// `blocks` = 0: everything is cached here; nothing needs sending.
+    AwaitingKv {
+        handle: u64,
+        from_block: u32,
+        blocks: u32,
+        /// Filled in by the worker's server.
+        #[serde(default)]
+        addr: String,
     },
     Token(TokenOut),
     Finished {

@@ -45,6 +45,19 @@ impl KvStorage {
         (&self.k[at..at + self.kv_dim], &self.v[at..at + self.kv_dim])
     }
 
+    /// K and V of one block of one layer (`block_size * kv_dim` each).
+    pub fn block(&self, layer: usize, block: u32) -> (&[f32], &[f32]) {
+        let span = self.block_size * self.kv_dim;
+        let at = (layer * self.n_blocks + block as usize) * span;
+        (&self.k[at..at + span], &self.v[at..at + span])
+    }
+
+    pub fn block_mut(&mut self, layer: usize, block: u32) -> (&mut [f32], &mut [f32]) {
+        let span = self.block_size * self.kv_dim;
+        let at = (layer * self.n_blocks + block as usize) * span;
+        (&mut self.k[at..at + span], &mut self.v[at..at + span])
+    }
+
     /// Copies block `from` into block `to` in every layer (copy-on-write of a
     /// shared partial block).
     pub fn copy_block(&mut self, from: u32, to: u32) {

@@ -1,5 +1,6 @@
 //! The worker's own endpoints: the token-level generate endpoint the gateway
-//! calls (token ids in, one JSON event per line out), the KV event and load
+//! calls (token ids in, one JSON event per line out), the prefill endpoint
+//! of disaggregation (prefill here, KV to a decode worker), the KV event and load
 //! stream (SSE), a KV snapshot for resyncs, `/health` and `/metrics`.
 
 use std::convert::Infallible;
@@ -20,7 +21,8 @@ use tokio_stream::wrappers::{BroadcastStream, IntervalStream, UnboundedReceiverS
 use super::error::ApiError;
 use super::openai::parse;
 use super::{MAX_BODY_BYTES, WorkerState};
-use crate::engine::{GenerateEvent, GenerateRequest};
+use crate::engine::{FinishReason, GenerateEvent, GenerateRequest, Usage};
+use crate::transfer::{KvTarget, Pushed};
 
 /// `POST /internal/generate`: a [`GenerateRequest`] as JSON (token ids, sampling,
 /// stops, cache salt); answers `application/x-ndjson`, one [`GenerateEvent`] per
@@ -39,12 +41,22 @@ pub async fn generate(
             "generate"
         );
     }
+    if request.remote_prefill && state.kv_addr.is_none() {
+        return Err(ApiError::unavailable(format!(
+            "this worker (role {}) takes no KV from prefill workers",
+            state.role
+        )));
+    }
     state.metrics.requests.fetch_add(1, Ordering::Relaxed);
     let (_, rx) = state.engine.submit(request);
     let metrics_state = state.clone();
-    let lines = UnboundedReceiverStream::new(rx).map(move |event| {
-        if let GenerateEvent::Finished { usage, .. } = &event {
-            metrics_state.metrics.record(usage);
+    let lines = UnboundedReceiverStream::new(rx).map(move |mut event| {
+        match &mut event {
+            GenerateEvent::Finished { usage, .. } => metrics_state.metrics.record(usage),
+            GenerateEvent::AwaitingKv { addr, .. } => {
+                addr.clone_from(metrics_state.kv_addr.as_ref().expect("checked above"));
+            }
+            _ => {}
         }
         let mut line = serde_json::to_vec(&event).unwrap_or_default();
         line.push(b'\n');
@@ -55,6 +67,92 @@ pub async fn generate(
         Body::from_stream(lines),
     )
         .into_response())
+}
+
+/// The body of `POST /internal/prefill`.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct PrefillRequest {
+    /// The whole request, as the decode worker got it (its prompt included
+    /// the last token, which the decode worker runs).
+    pub request: GenerateRequest,
+    /// Where the KV goes (from the decode worker's `awaiting_kv` event).
+    pub target: KvTarget,
+}
+
+/// The answer of `POST /internal/prefill`.
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
+pub struct PrefillDone {
+    /// Tokens prefilled here (the prompt without its last token).
+    pub prompt_tokens: u32,
+    /// Of those, served from this worker's prefix cache.
+    pub cached_tokens: u32,
+    pub pushed: Pushed,
+    /// From the request's arrival to the decode worker's acknowledgement.
+    pub seconds: f64,
+}
+
+/// `POST /internal/prefill`: a [`PrefillRequest`]. Prefills the prompt but
+/// its last token and pushes each step's finished blocks to the decode
+/// worker as they come; answers [`PrefillDone`] once the decode worker has
+/// acknowledged them all, or an error (the decode side then fails its
+/// request and releases the blocks). A client that goes away cancels both.
+pub async fn prefill(
+    State(state): State<Arc<WorkerState>>,
+    body: axum::body::Body,
+) -> Result<Json<PrefillDone>, ApiError> {
+    if !state.role.can_prefill() {
+        return Err(ApiError::unavailable(format!(
+            "this worker (role {}) does not prefill for others",
+            state.role
+        )));
+    }
+    let PrefillRequest { request, target } = parse(body, MAX_BODY_BYTES).await?;
+    let started = std::time::Instant::now();
+    let (_, mut events, kv) = state.engine.submit_prefill(request, target.from_block);
+    let push = state.transport.push(target, state.engine.kv_layout, kv);
+    let engine_side = async {
+        let mut usage = None;
+        while let Some(event) = events.recv().await {
+            match event {
+                GenerateEvent::Finished {
+                    reason: FinishReason::Stop,
+                    usage: u,
+                    ..
+                } => usage = Some(u),
+                GenerateEvent::Finished { reason, .. } => {
+                    return Err(ApiError::unavailable(format!(
+                        "the prefill ended early ({reason:?})"
+                    )));
+                }
+                GenerateEvent::Error { message, status } => {
+                    return Err(ApiError::with_code(
+                        status,
+                        axum::http::StatusCode::BAD_REQUEST,
+                        message,
+                    ));
+                }
+                _ => {}
+            }
+        }
+        usage.ok_or_else(|| ApiError::unavailable("the engine stopped"))
+    };
+    let transfer = async {
+        push.await.map_err(|e| {
+            ApiError::new(
+                axum::http::StatusCode::BAD_GATEWAY,
+                format!("the KV transfer failed: {e}"),
+            )
+        })
+    };
+    // Whichever fails first drops the other: the push's connection closes
+    // (the decode side fails its request), or the export is cancelled.
+    let (usage, pushed): (Usage, Pushed) = tokio::try_join!(engine_side, transfer)?;
+    Ok(Json(PrefillDone {
+        prompt_tokens: usage.prompt_tokens,
+        cached_tokens: usage.cached_tokens,
+        pushed,
+        seconds: started.elapsed().as_secs_f64(),
+    }))
 }
 
 /// `GET /events`: SSE. `kv` events carry the worker's KV events with their
@@ -94,6 +192,8 @@ pub async fn health(State(state): State<Arc<WorkerState>>) -> Json<serde_json::V
         "status": "ok",
         "model": state.model_name,
         "load": state.engine.load(),
+        "role": state.role,
+        "kv_addr": state.kv_addr,
         "simulated": state.frontend.simulated,
     }))
 }

@@ -19,6 +19,7 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 
 pub use error::ApiError;
+pub use internal::{PrefillDone, PrefillRequest};
 pub use openai::Frontend;
 
 use crate::engine::{Engine, Usage};
@@ -50,6 +51,13 @@ impl Metrics {
 #[derive(Debug)]
 pub struct WorkerState {
     pub engine: Arc<Engine>,
+    /// Which hops of a disaggregated request this worker takes.
+    pub role: crate::transfer::Role,
+    /// Where prefill workers send this worker's KV (`host:port`); `None` =
+    /// no KV listener, so no `remote_prefill` requests.
+    pub kv_addr: Option<String>,
+    /// How this worker sends KV when it prefills for another.
+    pub transport: Arc<dyn crate::transfer::KvTransport>,
     /// The OpenAI layer over this worker's model.
     pub frontend: Arc<Frontend>,
     /// The name clients use in `model`.
@@ -76,12 +84,40 @@ impl WorkerState {
         });
         Self {
             engine,
+            role: crate::transfer::Role::Both,
+            kv_addr: None,
+            transport: Arc::new(crate::transfer::tcp::TcpTransport::default()),
             frontend,
             model_name,
             instance: format!("{:x}", started_unix ^ u64::from(std::process::id())),
             started_unix,
             metrics: Metrics::default(),
         }
+    }
+
+    /// Sets the worker's role and starts its KV listener on `kv_listen`
+    /// (unless the role is prefill-only), advertised as `kv_advertise` (else
+    /// the bound address, with 127.0.0.1 for an unspecified host).
+    pub async fn with_role(
+        mut self,
+        role: crate::transfer::Role,
+        kv_listen: SocketAddr,
+        kv_advertise: Option<String>,
+    ) -> std::io::Result<Self> {
+        self.role = role;
+        if role.can_decode() {
+            let listener = tokio::net::TcpListener::bind(kv_listen).await?;
+            let local = listener.local_addr()?;
+            self.kv_addr =
+                Some(kv_advertise.unwrap_or_else(|| loopback_if_unspecified(local).to_string()));
+            // A prefill step per frame: allow as long as a request waits.
+            tokio::spawn(crate::transfer::tcp::serve_kv(
+                listener,
+                self.engine.clone(),
+                self.engine.config.kv_wait,
+            ));
+        }
+        Ok(self)
     }
 
     /// Marks a worker as simulated (the `sim` module's): `/v1/models`,
@@ -100,6 +136,7 @@ pub fn router(state: Arc<WorkerState>) -> Router {
         .route("/v1/completions", post(v1::completions))
         .route("/v1/models", get(v1::models))
         .route("/internal/generate", post(internal::generate))
+        .route("/internal/prefill", post(internal::prefill))
         .route("/internal/kv", get(internal::kv_snapshot))
         .route("/events", get(internal::events))
         .route("/health", get(internal::health))
@@ -151,6 +188,13 @@ pub struct WorkerConfig {
     pub weights: crate::model::WeightFormat,
     /// A gateway to register with (its base URL), again every few seconds.
     pub register: Option<String>,
+    /// Which hops of a disaggregated request this worker takes.
+    pub role: crate::transfer::Role,
+    /// Where the KV listener binds (decode and both roles); port 0 = any.
+    pub kv_listen: SocketAddr,
+    /// The `host:port` prefill workers should send KV to; default the bound
+    /// address (127.0.0.1 for an unspecified host).
+    pub kv_advertise: Option<String>,
     /// The URL the gateway should use for this worker; default
     /// `http://<listen address>` (with 127.0.0.1 for an unspecified host).
     pub advertise: Option<String>,
@@ -211,7 +255,17 @@ pub async fn run_worker(config: WorkerConfig) -> Result<(), WorkerError> {
         device: config.device,
         source,
     })?;
-    let state = Arc::new(WorkerState::new(Arc::new(engine), name));
+    let state = WorkerState::new(Arc::new(engine), name)
+        .with_role(config.role, config.kv_listen, config.kv_advertise.clone())
+        .await
+        .map_err(|source| WorkerError::Listen {
+            addr: config.kv_listen,
+            source,
+        })?;
+    if let Some(kv) = &state.kv_addr {
+        tracing::info!(role = %state.role, kv_addr = %kv, "KV listener ready");
+    }
+    let state = Arc::new(state);
     let listener = tokio::net::TcpListener::bind(config.addr)
         .await
         .map_err(|source| WorkerError::Listen {
@@ -220,17 +274,22 @@ pub async fn run_worker(config: WorkerConfig) -> Result<(), WorkerError> {
         })?;
     if let Some(gateway) = config.register.clone() {
         let local = listener.local_addr().map_err(WorkerError::Serve)?;
-        let advertise = config.advertise.clone().unwrap_or_else(|| {
-            let ip = if local.ip().is_unspecified() {
-                std::net::IpAddr::from([127, 0, 0, 1])
-            } else {
-                local.ip()
-            };
-            format!("http://{}", SocketAddr::new(ip, local.port()))
-        });
+        let advertise = config
+            .advertise
+            .clone()
+            .unwrap_or_else(|| format!("http://{}", loopback_if_unspecified(local)));
         tokio::spawn(register(gateway, advertise, config.register_token.clone()));
     }
     serve(listener, state).await.map_err(WorkerError::Serve)
+}
+
+/// `addr`, with 127.0.0.1 in place of an unspecified host (0.0.0.0, ::).
+fn loopback_if_unspecified(addr: SocketAddr) -> SocketAddr {
+    if addr.ip().is_unspecified() {
+        SocketAddr::new(std::net::IpAddr::from([127, 0, 0, 1]), addr.port())
+    } else {
+        addr
+    }
 }
 
 /// How often a worker registers again (the gateway forgets a registered

@@ -394,6 +394,7 @@ impl Frontend {
             cache_salt: 0,
             cache_priority: 0,
             tenant_id: 0,
+            remote_prefill: false,
         };
         Ok(Prepared {
             generate,
@@ -642,6 +643,9 @@ impl ChunkWriter {
     fn events(&self, event: GenerateEvent) -> Vec<String> {
         let kind = self.reply.kind;
         match event {
+            // Disaggregation's own event: the gateway acts on it; clients
+            // never see it.
+            GenerateEvent::AwaitingKv { .. } => vec![],
             GenerateEvent::Started { .. } => match kind {
                 Kind::Chat => vec![self.chunk(
                     json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]),
@@ -744,7 +748,7 @@ async fn collect(mut rx: UnboundedReceiver<GenerateEvent>) -> Result<Collected, 
     let mut tokens = Vec::new();
     while let Some(event) = rx.recv().await {
         match event {
-            GenerateEvent::Started { .. } => {}
+            GenerateEvent::Started { .. } | GenerateEvent::AwaitingKv { .. } => {}
             GenerateEvent::Token(t) => {
                 text.push_str(&t.text);
                 tokens.push(t);

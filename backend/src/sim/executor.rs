@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use super::profile::{Profile, StepShape};
 use crate::engine::{Executor, Next};
 use crate::model::{Logits, SeqChunk, Tokenizer};
+use crate::transfer::{KvDtype, KvLayout};
 
 #[derive(Debug)]
 pub struct SimExecutor {
@@ -46,6 +47,22 @@ impl Executor for SimExecutor {
     fn vocab(&self) -> usize {
         self.vocab
     }
+
+    /// Simulated blocks hold no data: a transfer moves empty blocks.
+    fn kv_layout(&self) -> KvLayout {
+        KvLayout {
+            n_layers: 0,
+            block_size: self.profile.block_size as u32,
+            kv_dim: 0,
+            dtype: KvDtype::Bf16,
+        }
+    }
+
+    fn read_kv(&mut self, _blocks: &[u32]) -> Vec<u8> {
+        Vec::new()
+    }
+
+    fn write_kv(&mut self, _blocks: &[u32], _data: &[u8]) {}
 
     fn run(&mut self, chunks: &[SeqChunk<'_>]) -> Vec<Next> {
         let seconds = self.profile.step_seconds(StepShape::of(chunks)) * self.time_scale;

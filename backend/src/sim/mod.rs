@@ -119,6 +119,7 @@ impl SimFleet {
                     kv_blocks: p.kv_blocks,
                     step_tokens: p.step_tokens,
                     max_running: p.max_running,
+                    ..EngineConfig::default()
                 },
             );
             let state = Arc::new(

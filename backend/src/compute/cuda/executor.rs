@@ -4,6 +4,7 @@
 
 use crate::engine::{Executor, Next};
 use crate::model::SeqChunk;
+use crate::transfer::{KvDtype, KvLayout};
 
 use super::device::GpuError;
 use super::model::{ChunkResult, CudaKvCache, CudaLlama, Numerics, StepOutput, Workspace};
@@ -63,6 +64,65 @@ impl Executor for CudaExecutor {
 
     fn vocab(&self) -> usize {
         self.model.config.vocab
+    }
+
+    fn kv_layout(&self) -> KvLayout {
+        KvLayout {
+            n_layers: self.kv.n_layers as u32,
+            block_size: self.kv.block_size as u32,
+            kv_dim: self.kv.kv_dim as u32,
+            dtype: KvDtype::Bf16,
+        }
+    }
+
+    /// Staged through the host, one copy per block, layer and K/V: this is
+    /// the TCP transport's side (bound by the network); same-node GPU
+    /// transfers use the gather kernel instead (`super::transfer`).
+    fn read_kv(&mut self, blocks: &[u32]) -> Vec<u8> {
+        let span = self.kv.block_size * self.kv.kv_dim;
+        let mut host = vec![0u16; blocks.len() * self.kv.n_layers * 2 * span];
+        let mut parts = host.chunks_exact_mut(span);
+        let stream = &self.model.gpu.stream;
+        for &block in blocks {
+            for layer in 0..self.kv.n_layers {
+                let at = (layer * self.kv.n_blocks + block as usize) * span;
+                for cache in [&self.kv.k, &self.kv.v] {
+                    let dst = parts.next().expect("sized for every part");
+                    stream
+                        .memcpy_dtoh(&cache.slice(at..at + span), dst)
+                        .unwrap_or_else(|e| panic!("reading KV blocks from the GPU failed: {e}"));
+                }
+            }
+        }
+        stream
+            .synchronize()
+            .unwrap_or_else(|e| panic!("reading KV blocks from the GPU failed: {e}"));
+        host.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    fn write_kv(&mut self, blocks: &[u32], data: &[u8]) {
+        let span = self.kv.block_size * self.kv.kv_dim;
+        let host: Vec<u16> = data
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect();
+        let mut parts = host.chunks_exact(span);
+        let stream = self.model.gpu.stream.clone();
+        for &block in blocks {
+            for layer in 0..self.kv.n_layers {
+                let at = (layer * self.kv.n_blocks + block as usize) * span;
+                for cache in [&mut self.kv.k, &mut self.kv.v] {
+                    let src = parts.next().expect("the engine checked the data's length");
+                    stream
+                        .memcpy_htod(src, &mut cache.slice_mut(at..at + span))
+                        .unwrap_or_else(|e| panic!("writing KV blocks to the GPU failed: {e}"));
+                }
+            }
+        }
+        // The host buffer must outlive the copies.
+        stream
+            .synchronize()
+            .unwrap_or_else(|e| panic!("writing KV blocks to the GPU failed: {e}"));
     }
 
     fn run(&mut self, chunks: &[SeqChunk<'_>]) -> Vec<Next> {
