@@ -42,6 +42,11 @@ pub struct Config {
     pub workers: Vec<String>,
     /// In-process workers serving `model` (the single-machine default).
     pub embedded_workers: u32,
+    /// In-process prefill-only workers (a disaggregated fleet on one machine).
+    pub embedded_prefill: u32,
+    /// In-process decode workers (KV from the prefill workers).
+    pub embedded_decode: u32,
+    pub disaggregation: DisaggregationConfig,
     /// What the in-process workers run on: `auto` (a CUDA GPU when there is
     /// one, else the CPU), `cpu`, `cuda` or `cuda:N`.
     pub device: String,
@@ -61,6 +66,24 @@ pub struct Config {
     pub fleet: FleetConfig,
     pub routing: RoutingConfig,
     pub telemetry: TelemetryConfig,
+}
+
+/// When a request takes the prefill hop (in a fleet with prefill workers).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DisaggregationConfig {
+    /// A prompt with fewer tokens than this not cached on its decode
+    /// worker is prefilled there, skipping the prefill hop (conditional
+    /// disaggregation); 0 = every prompt takes the hop.
+    pub min_prefill_tokens: u32,
+}
+
+impl Default for DisaggregationConfig {
+    fn default() -> Self {
+        Self {
+            min_prefill_tokens: 256,
+        }
+    }
 }
 
 /// Records of routing decisions, for `sluice plugins replay`.
@@ -145,6 +168,9 @@ impl Default for Config {
             context: None,
             workers: Vec::new(),
             embedded_workers: 0,
+            embedded_prefill: 0,
+            embedded_decode: 0,
+            disaggregation: DisaggregationConfig::default(),
             device: "auto".into(),
             numerics: "batch-invariant".into(),
             block_size: 16,
@@ -310,6 +336,16 @@ impl Config {
                     "{name} must be between 1 and {DAY_MS} (a day), got {ms}"
                 )));
             }
+        }
+        if self.embedded_prefill > 0
+            && self.embedded_decode == 0
+            && self.embedded_workers == 0
+            && self.workers.is_empty()
+        {
+            return Err(ConfigError::Invalid(
+                "prefill workers need decode workers (embedded_decode, embedded_workers or workers)"
+                    .into(),
+            ));
         }
         if limits.max_running_per_worker == 0 {
             return Err(ConfigError::Invalid(

@@ -131,7 +131,16 @@ impl Gateway {
             .map_or(0, |d| d.as_secs());
         let client = worker_client(&config)?;
         let fleet = Arc::new(Fleet::new(config.fleet.clone(), config.block_size));
-        let (frontend, embedded) = if config.embedded_workers > 0 {
+        use sluice_backend::transfer::Role;
+        let roles: Vec<Role> = [
+            (config.embedded_workers, Role::Both),
+            (config.embedded_prefill, Role::Prefill),
+            (config.embedded_decode, Role::Decode),
+        ]
+        .iter()
+        .flat_map(|&(n, role)| std::iter::repeat_n(role, n as usize))
+        .collect();
+        let (frontend, embedded) = if !roles.is_empty() {
             // One load of the weights serves every embedded worker.
             let loaded = sluice_backend::model::load(&model_path).map_err(load_error)?;
             let name = config.served_model_name.clone().unwrap_or(loaded.name);
@@ -139,11 +148,14 @@ impl Gateway {
             let tokenizer = Arc::new(loaded.tokenizer);
             let frontend = frontend(&config, &name, tokenizer.clone(), &llama.config, created);
             let mut urls = Vec::new();
-            for index in 0..config.embedded_workers {
+            for (index, &role) in roles.iter().enumerate() {
                 urls.push(
-                    start_embedded_worker(&config, llama.clone(), tokenizer.clone(), &name)
+                    start_embedded_worker(&config, llama.clone(), tokenizer.clone(), &name, role)
                         .await
-                        .map_err(|source| StartError::Worker { index, source })?,
+                        .map_err(|source| StartError::Worker {
+                            index: index as u32,
+                            source,
+                        })?,
                 );
             }
             (frontend, urls)
@@ -288,12 +300,14 @@ fn frontend(
     })
 }
 
-/// Starts a worker inside this process on a free loopback port; returns its URL.
+/// Starts a worker inside this process on a free loopback port (and, for
+/// a decode-capable role, its KV listener on another); returns its URL.
 async fn start_embedded_worker(
     config: &Config,
     llama: Arc<sluice_backend::model::Llama>,
     tokenizer: Arc<sluice_backend::model::Tokenizer>,
     name: &str,
+    role: sluice_backend::transfer::Role,
 ) -> std::io::Result<String> {
     use sluice_backend::engine::{Device, Engine, EngineConfig};
     use sluice_backend::server::WorkerState;
@@ -310,8 +324,12 @@ async fn start_embedded_worker(
         },
     )
     .map_err(|e| std::io::Error::other(format!("device {device}: {e}")))?;
-    let state = Arc::new(WorkerState::new(Arc::new(engine), name.to_string()));
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
+    let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+    let state = WorkerState::new(Arc::new(engine), name.to_string())
+        .with_role(role, loopback, None)
+        .await?;
+    let state = Arc::new(state);
+    let listener = tokio::net::TcpListener::bind(loopback).await?;
     let url = format!("http://{}", listener.local_addr()?);
     tokio::spawn(async move {
         if let Err(e) = sluice_backend::server::serve(listener, state).await {

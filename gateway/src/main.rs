@@ -60,6 +60,17 @@ enum Command {
         /// What in-process workers run on: auto, cpu, cuda, cuda:N [default: auto]
         #[arg(long)]
         device: Option<Device>,
+        /// In-process prefill-only workers (disaggregation on one machine:
+        /// with --decode M, an NPMD fleet)
+        #[arg(long)]
+        prefill: Option<u32>,
+        /// In-process decode workers (KV from the prefill workers)
+        #[arg(long)]
+        decode: Option<u32>,
+        /// Prompts with fewer uncached tokens skip the prefill hop [default:
+        /// the config's disaggregation.min_prefill_tokens, 256]
+        #[arg(long)]
+        min_prefill_tokens: Option<u32>,
     },
     /// Serve a model: the OpenAI API, the internal token API and the event stream.
     Worker {
@@ -101,6 +112,18 @@ enum Command {
         /// beside it) or fast (BENCHMARKS.md, "CUDA engine")
         #[arg(long, default_value = "batch-invariant")]
         numerics: sluice_backend::compute::cuda::Numerics,
+        /// Disaggregation: prefill (for decode workers), decode (with KV from
+        /// prefill workers, and whole short requests) or both
+        #[arg(long, default_value = "both")]
+        role: sluice_backend::transfer::Role,
+        /// Where decode workers take KV from prefill workers (TCP) [default:
+        /// the --host, any free port]
+        #[arg(long)]
+        kv_listen: Option<std::net::SocketAddr>,
+        /// The host:port prefill workers should send KV to [default: the
+        /// bound KV address]
+        #[arg(long)]
+        kv_advertise: Option<String>,
     },
     /// The CUDA kernels.
     Kernels {
@@ -397,8 +420,14 @@ fn run() -> anyhow::Result<()> {
             device,
             weights,
             numerics,
+            role,
+            kv_listen,
+            kv_advertise,
         } => {
             let config = WorkerConfig {
+                role,
+                kv_listen: kv_listen.unwrap_or(std::net::SocketAddr::new(host, 0)),
+                kv_advertise,
                 device,
                 weights,
                 numerics,
@@ -425,6 +454,9 @@ fn run() -> anyhow::Result<()> {
             worker_urls,
             plugins_dir,
             device,
+            prefill,
+            decode,
+            min_prefill_tokens,
         } => {
             let mut config = match (serve_config, config) {
                 (Some(c), _) => c,
@@ -442,9 +474,19 @@ fn run() -> anyhow::Result<()> {
             if let Some(device) = device {
                 config.device = device.to_string();
             }
+            if let Some(n) = prefill {
+                config.embedded_prefill = n;
+            }
+            if let Some(n) = decode {
+                config.embedded_decode = n;
+            }
+            if let Some(n) = min_prefill_tokens {
+                config.disaggregation.min_prefill_tokens = n;
+            }
+            let embedded = config.embedded_workers + config.embedded_prefill + config.embedded_decode;
             match workers {
                 Some(n) => config.embedded_workers = n,
-                None if config.workers.is_empty() && config.embedded_workers == 0 => {
+                None if config.workers.is_empty() && embedded == 0 => {
                     config.embedded_workers = 1;
                 }
                 None => {}

@@ -386,7 +386,14 @@ impl Core {
             // Block only when idle (until the next KV deadline, if a request
             // waits for KV); otherwise take what has arrived.
             if self.waiting.is_empty() && self.running.is_empty() {
-                let deadline = self.receiving.iter().filter_map(Seq::kv_deadline).min();
+                // Every 50 ms at most while a request waits for KV, to notice a
+                // client that went away (its blocks are then released).
+                let deadline = self
+                    .receiving
+                    .iter()
+                    .filter_map(Seq::kv_deadline)
+                    .min()
+                    .map(|d| d.min(Instant::now() + Duration::from_millis(50)));
                 let next = match deadline {
                     None => self.commands.recv().map_err(|_| true),
                     Some(d) => self

@@ -32,6 +32,9 @@ pub const WORKER_HEADER: &str = "x-sluice-worker";
 pub const CACHED_BLOCKS_HEADER: &str = "x-sluice-cached-blocks";
 /// The router plugin version that chose the worker, or `builtin`.
 pub const ROUTER_HEADER: &str = "x-sluice-router-version";
+/// The worker that prefilled the prompt, when it was not the one that
+/// generated (a disaggregated request).
+pub const PREFILL_WORKER_HEADER: &str = "x-sluice-prefill-worker";
 
 pub async fn chat_completions(
     State(gateway): State<Arc<Gateway>>,
@@ -205,6 +208,9 @@ async fn respond(
     let h = response.headers_mut();
     h.insert(WORKER_HEADER, HeaderValue::from(head.worker));
     h.insert(CACHED_BLOCKS_HEADER, HeaderValue::from(head.cached_blocks));
+    if let Some(prefill) = head.prefill_worker {
+        h.insert(PREFILL_WORKER_HEADER, HeaderValue::from(prefill));
+    }
     h.insert(
         ROUTER_HEADER,
         match head.router_version {

@@ -81,7 +81,7 @@ fn decode_rate(
                 Ok(GenerateEvent::Error { message, .. }) => {
                     return Err(EngineBenchError::Engine(message));
                 }
-                Ok(GenerateEvent::Started { .. }) => {}
+                Ok(GenerateEvent::Started { .. } | GenerateEvent::AwaitingKv { .. }) => {}
                 Err(tokio::sync::mpsc::error::TryRecvError::Empty) => {}
                 Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => {
                     return Err(EngineBenchError::Engine("the engine stopped".into()));

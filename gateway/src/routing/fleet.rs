@@ -10,10 +10,11 @@ use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use sluice_backend::engine::Load;
+use sluice_backend::transfer::Role;
 
 use super::kv_index::KvIndex;
 use crate::config::FleetConfig;
-use crate::policy::{FleetSaturation, FleetView, WorkerLoad, WorkerState};
+use crate::policy::{FleetSaturation, FleetView, Hop, WorkerLoad, WorkerState};
 
 /// How the gateway came to know a worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -50,6 +51,8 @@ pub struct Worker {
     pub routed: AtomicU64,
     /// The worker's last reported load.
     load: Mutex<Load>,
+    /// Its role in a disaggregated fleet, from its `/health`.
+    role: Mutex<Role>,
     /// When the worker last registered (or was added).
     registered_at: Mutex<Instant>,
 }
@@ -71,6 +74,21 @@ impl Worker {
         *self.load.lock().unwrap_or_else(|e| e.into_inner()) = load;
     }
 
+    pub fn role(&self) -> Role {
+        *self.role.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn set_role(&self, role: Role) {
+        *self.role.lock().unwrap_or_else(|e| e.into_inner()) = role;
+    }
+
+    /// Its state bits for a fleet view (it is healthy: only healthy workers
+    /// are candidates).
+    fn state(&self) -> WorkerState {
+        let role = self.role();
+        WorkerState::new(true, role.can_prefill(), role.can_decode())
+    }
+
     pub fn registered_at(&self) -> Instant {
         *self.registered_at.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -83,6 +101,7 @@ pub struct WorkerStatus {
     pub url: String,
     pub origin: Origin,
     pub healthy: bool,
+    pub role: Role,
     pub in_flight: u32,
     pub routed: u64,
     pub cached_blocks: usize,
@@ -142,6 +161,7 @@ impl Fleet {
             pending_prefill_tokens: AtomicU32::new(0),
             routed: AtomicU64::new(0),
             load: Mutex::new(Load::default()),
+            role: Mutex::new(Role::Both),
             registered_at: Mutex::new(Instant::now()),
         });
         let mut next = (*current).clone();
@@ -196,13 +216,13 @@ impl Fleet {
         self.index.read().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Healthy workers not in `excluded`, with each one's overlap with
-    /// `prompt_hashes`.
-    pub fn candidates(&self, prompt_hashes: &[u64], excluded: &[u32]) -> Candidates {
+    /// Healthy workers not in `excluded` that can serve `hop`, with each
+    /// one's overlap with `prompt_hashes`.
+    pub fn candidates(&self, prompt_hashes: &[u64], excluded: &[u32], hop: Hop) -> Candidates {
         let all = self.workers.load();
         let workers: Vec<Arc<Worker>> = all
             .iter()
-            .filter(|w| w.is_healthy() && !excluded.contains(&w.id))
+            .filter(|w| w.is_healthy() && !excluded.contains(&w.id) && w.state().serves(hop))
             .cloned()
             .collect();
         let loads: Vec<WorkerLoad> = workers
@@ -210,7 +230,7 @@ impl Fleet {
             .map(|w| {
                 let load = w.load();
                 WorkerLoad {
-                    state: WorkerState::new(true, true, true),
+                    state: w.state(),
                     id: w.id,
                     // The gateway's own counts are exact and immediate; the
                     // worker's report lags by up to 250 ms, long enough to
@@ -252,6 +272,16 @@ impl Fleet {
         s
     }
 
+    /// Whether requests take two hops: some healthy worker only prefills
+    /// (then whole requests go to decode-capable workers, and long prompts
+    /// are prefilled on prefill workers first).
+    pub fn disaggregated(&self) -> bool {
+        self.workers
+            .load()
+            .iter()
+            .any(|w| w.is_healthy() && w.role() == Role::Prefill)
+    }
+
     pub fn healthy_count(&self) -> u32 {
         self.workers
             .load()
@@ -270,6 +300,7 @@ impl Fleet {
                 url: w.url.clone(),
                 origin: w.origin,
                 healthy: w.is_healthy(),
+                role: w.role(),
                 in_flight: w.in_flight.load(Ordering::Relaxed),
                 routed: w.routed.load(Ordering::Relaxed),
                 cached_blocks: index.blocks_of(w.id),
@@ -298,19 +329,42 @@ mod tests {
         fleet.set_healthy(&c, false);
         fleet.index_mut().store(b.id, &[1, 2, 3]);
         fleet.index_mut().store(a.id, &[1]);
-        let got = fleet.candidates(&[1, 2, 9], &[]);
+        let got = fleet.candidates(&[1, 2, 9], &[], Hop::Aggregated);
         assert_eq!(got.view.worker_ids(), [a.id, b.id]);
         assert_eq!(got.view.overlap_blocks(), [1, 2]);
-        let got = fleet.candidates(&[1, 2], &[b.id]);
+        let got = fleet.candidates(&[1, 2], &[b.id], Hop::Aggregated);
         assert_eq!(got.view.worker_ids(), [a.id]);
         // Out of service forgets the blocks; removal forgets the worker.
         fleet.set_healthy(&b, false);
         fleet.set_healthy(&b, true);
-        assert_eq!(fleet.candidates(&[1, 2], &[]).view.overlap_blocks(), [1, 0]);
+        assert_eq!(fleet.candidates(&[1, 2], &[], Hop::Aggregated).view.overlap_blocks(), [1, 0]);
         assert!(fleet.remove(a.id));
         assert!(!fleet.remove(a.id));
         assert!(a.is_removed());
-        assert_eq!(fleet.candidates(&[1], &[]).view.worker_ids(), [b.id]);
+        assert_eq!(fleet.candidates(&[1], &[], Hop::Aggregated).view.worker_ids(), [b.id]);
         assert_eq!(fleet.saturation(3).healthy_workers, 1);
+    }
+
+    #[test]
+    fn roles_decide_which_hops_a_worker_is_a_candidate_for() {
+        let fleet = Fleet::new(FleetConfig::default(), 16);
+        let (p, _) = fleet.add("http://p:1", Origin::Static);
+        let (d, _) = fleet.add("http://d:1", Origin::Static);
+        let (both, _) = fleet.add("http://b:1", Origin::Static);
+        for w in [&p, &d, &both] {
+            fleet.set_healthy(w, true);
+        }
+        assert!(!fleet.disaggregated(), "every worker does both");
+        p.set_role(Role::Prefill);
+        d.set_role(Role::Decode);
+        assert!(fleet.disaggregated());
+        let ids = |hop| fleet.candidates(&[], &[], hop).view.worker_ids().to_vec();
+        assert_eq!(ids(Hop::Prefill), [p.id, both.id]);
+        assert_eq!(ids(Hop::Decode), [d.id, both.id]);
+        assert_eq!(ids(Hop::Aggregated), [both.id]);
+        let view = fleet.candidates(&[], &[], Hop::Prefill).view;
+        assert!(view.serves(0, Hop::Prefill) && !view.serves(0, Hop::Decode));
+        fleet.set_healthy(&p, false);
+        assert!(!fleet.disaggregated(), "no prefill-only worker is in service");
     }
 }

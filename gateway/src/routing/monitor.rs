@@ -81,6 +81,18 @@ async fn follow(
     if !health.status().is_success() {
         return Err(FollowError::Status(health.status()));
     }
+    // Its role in a disaggregated fleet (workers before roles said none:
+    // they do both).
+    let health: serde_json::Value = tokio::time::timeout(timeout, health.json())
+        .await
+        .map_err(|_| FollowError::Silent(timeout))?
+        .map_err(|e| FollowError::BadEvent(format!("bad /health answer: {e}")))?;
+    let role = match health.get("role") {
+        None => sluice_backend::transfer::Role::Both,
+        Some(r) => serde_json::from_value(r.clone())
+            .map_err(|e| FollowError::BadEvent(format!("bad role in /health: {e}")))?,
+    };
+    worker.set_role(role);
     // Subscribe first, then read the snapshot: events numbered after the
     // snapshot are applied, earlier ones skipped, so nothing falls between.
     let events = tokio::time::timeout(timeout, client.get(format!("{}/events", worker.url)).send())

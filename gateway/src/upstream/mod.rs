@@ -5,19 +5,32 @@
 //! the request is routed again; after that, a failure ends the stream with an
 //! error event. Every wait is bounded: the request deadline, and the idle
 //! stream timeout between tokens.
+//!
+//! In a fleet with prefill-only workers a request takes two hops
+//! (disaggregation, `disagg`): the router picks a decode worker (the decode
+//! hop), and, unless the prompt's part not cached there is short, a prefill
+//! worker (the prefill hop). The decode worker gets the request with
+//! `remote_prefill`, reserves its blocks and names a transfer handle; the
+//! prefill worker is then asked to prefill into them; the decode worker's
+//! tokens are relayed as usual. A failed prefill hop excludes that prefill
+//! worker and routes again (with none left, the decode worker prefills).
 
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 
+use futures_util::future::OptionFuture;
+
 use sluice_backend::engine::{GenerateEvent, Usage};
-use sluice_backend::server::ApiError;
+use sluice_backend::server::{ApiError, PrefillDone};
+use sluice_backend::transfer::KvTarget;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::StreamExt;
 
 use crate::admission::Ticket;
 use crate::gateway::Gateway;
-use crate::policy::{AdmissionPolicy, Completion, Outcome, RequestView, RouteDecision};
+use crate::policy::{AdmissionPolicy, Completion, Hop, Outcome, RequestView, RouteDecision};
 use crate::routing::Worker;
 use crate::routing::decision_log::DecisionRecord;
 use crate::telemetry::{RequestOutcome, TraceContext};
@@ -30,6 +43,9 @@ pub struct Head {
     pub cached_blocks: u32,
     /// The router plugin version that chose it; `None` = the built-in policy.
     pub router_version: Option<u64>,
+    /// The worker that prefilled the prompt, when it was not `worker`
+    /// (disaggregation); `cached_blocks` are then that worker's.
+    pub prefill_worker: Option<u32>,
 }
 
 /// One admitted request on its way to a worker.
@@ -49,8 +65,9 @@ pub struct Job {
 /// How one attempt on one worker ended.
 enum Attempt {
     Finished(Usage),
-    /// Nothing was sent to the client: another worker may take the request.
-    Retry(String),
+    /// Nothing was sent to the client: another worker may take the request
+    /// (this one, by id, is excluded).
+    Retry(String, u32),
     /// The worker refused the request itself (bad input): no retry.
     Refused(ApiError),
     /// Failed after the client got the head; the stream ended with an error.
@@ -167,82 +184,51 @@ async fn relay_inner(
             ));
             break RequestOutcome::failed;
         }
-        let candidates = gateway.fleet.candidates(&job.hashes, &excluded);
-        if candidates.workers.is_empty() {
-            out.fail(ApiError::unavailable(if excluded.is_empty() {
-                "no healthy worker serves this model".to_string()
-            } else {
-                format!("no healthy worker is left after {} failed", excluded.len())
-            }));
-            break RequestOutcome::failed;
-        }
-        let (decision, router_version) = gateway
-            .policies
-            .router
-            .route_traced(&job.view, &candidates.view);
-        gateway
-            .policies
-            .shadow
-            .observe(&job.view, &candidates.view, &decision);
-        if let Some(log) = &gateway.decision_log {
-            log.record(DecisionRecord::new(
-                &job.view,
-                &candidates.view,
-                &decision,
-                router_version,
-            ));
-        }
-        let index = match decision {
-            RouteDecision::Worker(i) => i,
-            RouteDecision::Reject(r) => {
-                out.fail(ApiError::with_code(
-                    Some(r.status),
-                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
-                    r.message,
-                ));
-                break RequestOutcome::rejected;
+        let route = match route(gateway, job, &excluded) {
+            Ok(r) => r,
+            Err(NoRoute::NoWorker) => {
+                out.fail(ApiError::unavailable(if excluded.is_empty() {
+                    "no healthy worker serves this model".to_string()
+                } else {
+                    format!("no healthy worker is left after {} failed", excluded.len())
+                }));
+                break RequestOutcome::failed;
+            }
+            Err(NoRoute::Refused(error, outcome)) => {
+                out.fail(error);
+                break outcome;
             }
         };
-        // The host checks a plugin's answer; the built-in router answers in
-        // range. Guarded all the same: a bad index must not panic a thread.
-        let Some(worker) = candidates.workers.get(index).cloned() else {
-            out.fail(ApiError::new(
-                axum::http::StatusCode::BAD_GATEWAY,
-                format!(
-                    "the router chose worker index {index} of {}",
-                    candidates.workers.len()
-                ),
-            ));
-            break RequestOutcome::failed;
-        };
-        worker.routed.fetch_add(1, Ordering::Relaxed);
-        gateway.metrics.routed(worker.id);
+        for hop in std::iter::once(&route.decode).chain(&route.prefill) {
+            hop.worker.routed.fetch_add(1, Ordering::Relaxed);
+            gateway.metrics.routed(hop.worker.id);
+        }
         let attempt = {
             let block_size = job.view.block_size.max(1);
-            let cached = candidates
-                .view
-                .overlap_blocks()
-                .get(index)
-                .copied()
-                .unwrap_or(0);
-            let in_flight = InFlight::enter(
-                &worker,
-                job.view.prompt_tokens.div_ceil(block_size),
-                job.view
+            // With a prefill hop, the decode worker prefills one token.
+            let prefill_tokens = match route.prefill {
+                Some(_) => 0,
+                None => job
+                    .view
                     .prompt_tokens
-                    .saturating_sub(cached.saturating_mul(block_size)),
+                    .saturating_sub(route.decode.cached_blocks.saturating_mul(block_size)),
+            };
+            let in_flight = InFlight::enter(
+                &route.decode.worker,
+                job.view.prompt_tokens.div_ceil(block_size),
+                prefill_tokens,
             );
-            attempt(gateway, job, &worker, router_version, &mut out, &in_flight).await
+            attempt(gateway, job, &route, &mut out, &in_flight).await
         };
         match attempt {
             Attempt::Finished(u) => {
                 usage = u;
                 break RequestOutcome::success;
             }
-            Attempt::Retry(why) => {
-                tracing::warn!(worker = worker.id, error = %why, "worker failed before the first token; routing again");
+            Attempt::Retry(why, failed) => {
+                tracing::warn!(worker = failed, error = %why, "worker failed before the first token; routing again");
                 gateway.metrics.retried();
-                excluded.push(worker.id);
+                excluded.push(failed);
             }
             Attempt::Refused(e) => {
                 out.fail(e);
@@ -258,6 +244,128 @@ async fn relay_inner(
     };
     accounting.finish(outcome, usage);
     out.close();
+}
+
+/// The worker one hop goes to, and what the router saw of it.
+#[derive(Debug)]
+struct Chosen {
+    worker: Arc<Worker>,
+    /// Prompt blocks cached there, by the gateway's KV index.
+    cached_blocks: u32,
+    router_version: Option<u64>,
+}
+
+/// Where a request goes: one worker, or a prefill worker and a decode worker.
+#[derive(Debug)]
+struct Route {
+    /// The worker that generates (and, without `prefill`, prefills).
+    decode: Chosen,
+    prefill: Option<Chosen>,
+}
+
+enum NoRoute {
+    /// No healthy worker (not excluded) serves the hop.
+    NoWorker,
+    /// The router refused the request, or answered nonsense.
+    Refused(ApiError, RequestOutcome),
+}
+
+/// Picks the request's route: one aggregated hop in a fleet where every
+/// worker does both; otherwise the decode hop, then (when the prompt's part
+/// not cached on that decode worker is long enough) the prefill hop.
+fn route(gateway: &Gateway, job: &Job, excluded: &[u32]) -> Result<Route, NoRoute> {
+    if !gateway.fleet.disaggregated() {
+        let decode = choose(gateway, job, Hop::Aggregated, excluded)?;
+        return Ok(Route {
+            decode,
+            prefill: None,
+        });
+    }
+    let decode = choose(gateway, job, Hop::Decode, excluded)?;
+    let uncached = job
+        .view
+        .prompt_tokens
+        .saturating_sub(decode.cached_blocks.saturating_mul(job.view.block_size));
+    if uncached < gateway.config.disaggregation.min_prefill_tokens.max(1)
+        || job.view.prompt_tokens < 2
+    {
+        return Ok(Route {
+            decode,
+            prefill: None,
+        });
+    }
+    let mut not_prefill = excluded.to_vec();
+    not_prefill.push(decode.worker.id);
+    let prefill = match choose(gateway, job, Hop::Prefill, &not_prefill) {
+        Ok(p) => Some(p),
+        // Decode workers prefill for themselves.
+        Err(NoRoute::NoWorker) => None,
+        Err(refused) => return Err(refused),
+    };
+    Ok(Route { decode, prefill })
+}
+
+/// Asks the router for one hop's worker among the candidates for it.
+fn choose(gateway: &Gateway, job: &Job, hop: Hop, excluded: &[u32]) -> Result<Chosen, NoRoute> {
+    let view = RequestView { hop, ..job.view };
+    let candidates = gateway.fleet.candidates(&job.hashes, excluded, hop);
+    if candidates.workers.is_empty() {
+        return Err(NoRoute::NoWorker);
+    }
+    let (decision, router_version) = gateway
+        .policies
+        .router
+        .route_traced(&view, &candidates.view);
+    gateway
+        .policies
+        .shadow
+        .observe(&view, &candidates.view, &decision);
+    if let Some(log) = &gateway.decision_log {
+        log.record(DecisionRecord::new(
+            &view,
+            &candidates.view,
+            &decision,
+            router_version,
+        ));
+    }
+    let index = match decision {
+        RouteDecision::Worker(i) => i,
+        RouteDecision::Reject(r) => {
+            return Err(NoRoute::Refused(
+                ApiError::with_code(
+                    Some(r.status),
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    r.message,
+                ),
+                RequestOutcome::rejected,
+            ));
+        }
+    };
+    // The host checks a plugin's answer; the built-in router answers in
+    // range. Guarded all the same: a bad index must not panic a thread.
+    let Some(worker) = candidates.workers.get(index).cloned() else {
+        return Err(NoRoute::Refused(
+            ApiError::new(
+                axum::http::StatusCode::BAD_GATEWAY,
+                format!(
+                    "the router chose worker index {index} of {}",
+                    candidates.workers.len()
+                ),
+            ),
+            RequestOutcome::failed,
+        ));
+    };
+    let cached_blocks = candidates
+        .view
+        .overlap_blocks()
+        .get(index)
+        .copied()
+        .unwrap_or(0);
+    Ok(Chosen {
+        worker,
+        cached_blocks,
+        router_version,
+    })
 }
 
 fn timeout_error() -> ApiError {
@@ -391,22 +499,27 @@ impl Output {
     }
 }
 
-/// One try on one worker.
+/// One try on one route: the decode worker's stream, and (disaggregated)
+/// the prefill worker's call once the decode worker has reserved blocks.
 async fn attempt(
     gateway: &Gateway,
     job: &Job,
-    worker: &Worker,
-    router_version: Option<u64>,
+    route: &Route,
     out: &mut Output,
     in_flight: &InFlight<'_>,
 ) -> Attempt {
     out.buffered.clear();
+    let worker = &*route.decode.worker;
+    let body = match route.prefill {
+        Some(_) => with_remote_prefill(&job.body),
+        None => job.body.clone(),
+    };
     let request = gateway
         .client()
         .post(format!("{}/internal/generate", worker.url))
         .header("content-type", "application/json")
         .header("traceparent", job.trace.header())
-        .body(job.body.clone())
+        .body(body)
         .send();
     let response = tokio::select! {
         r = tokio::time::timeout_at(job.deadline.into(), request) => r,
@@ -414,41 +527,32 @@ async fn attempt(
     };
     let response = match response {
         Err(_) => return Attempt::Broken(timed_out(out)),
-        Ok(Err(e)) => return Attempt::Retry(format!("cannot send: {e}")),
+        Ok(Err(e)) => return Attempt::Retry(format!("cannot send: {e}"), worker.id),
         Ok(Ok(r)) => r,
     };
     let status = response.status();
     if !status.is_success() && !refused_by_worker(status.as_u16()) {
         // Unavailable, overloaded, or not a worker at that URL: another may do.
-        return Attempt::Retry(format!("it answered {status}"));
+        return Attempt::Retry(format!("it answered {status}"), worker.id);
     }
     if !status.is_success() {
-        let body = tokio::time::timeout_at(
-            job.deadline.min(Instant::now() + ERROR_BODY_WAIT).into(),
-            response.json::<serde_json::Value>(),
-        )
-        .await;
-        let message = body
-            .ok()
-            .and_then(Result::ok)
-            .and_then(|v| v["error"]["message"].as_str().map(String::from))
-            .unwrap_or_else(|| format!("the worker answered {status}"));
-        return Attempt::Refused(ApiError::with_code(
-            Some(status.as_u16()),
-            axum::http::StatusCode::BAD_GATEWAY,
-            message,
-        ));
+        return Attempt::Refused(error_answer(job, response).await);
     }
     let idle = gateway.config.limits.idle_stream_timeout();
     let block_size = job.view.block_size.max(1);
     let mut head = Head {
         worker: worker.id,
         cached_blocks: 0,
-        router_version,
+        router_version: route.decode.router_version,
+        prefill_worker: None,
     };
     let mut body = response.bytes_stream();
     let mut pending: Vec<u8> = Vec::new();
     let mut last_token: Option<Instant> = None;
+    // The prefill hop's call, from the decode worker's `awaiting_kv` until
+    // the prefill worker answers; the head waits for it (its cached blocks).
+    let mut prefill_call: Option<PrefillCall<'_>> = None;
+    let mut prefill_cached: Option<u32> = None;
     loop {
         // Before the first token the request deadline bounds the wait (the
         // worker may be queueing it); after it, the idle timeout does too.
@@ -459,12 +563,38 @@ async fn attempt(
         let chunk = tokio::select! {
             c = tokio::time::timeout_at(wait_until.into(), body.next()) => c,
             () = out.client_gone() => return Attempt::ClientGone,
+            r = OptionFuture::from(prefill_call.as_mut()), if prefill_call.is_some() => {
+                prefill_call = None;
+                let (prefill, result) = r.expect("the branch runs only with a call");
+                match result {
+                    Ok(cached) => {
+                        prefill_cached = Some(cached);
+                        head.prefill_worker = Some(prefill);
+                        head.cached_blocks = cached / block_size;
+                        gateway.metrics.kv_blocks(
+                            job.view.prompt_blocks,
+                            head.cached_blocks.min(job.view.prompt_blocks),
+                        );
+                        // Tokens that came first were held for the head.
+                        if out.stream && last_token.is_some() && !out.open(head) {
+                            return Attempt::ClientGone;
+                        }
+                    }
+                    // The decode worker has every block already: a late
+                    // failure of the prefill worker's answer changes nothing.
+                    Err(why) if last_token.is_some() => {
+                        tracing::warn!(worker = prefill, error = %why, "prefill worker failed after its transfer");
+                    }
+                    Err(why) => return Attempt::Retry(format!("prefill: {why}"), prefill),
+                }
+                continue;
+            }
         };
         let chunk = match chunk {
             Err(_) if Instant::now() >= job.deadline || out.started() => {
                 return Attempt::Broken(timed_out(out));
             }
-            Err(_) => return Attempt::Retry(format!("no token for {idle:?}")),
+            Err(_) => return Attempt::Retry(format!("no token for {idle:?}"), worker.id),
             Ok(None) => return lost(out, worker, "its stream ended early".into()),
             Ok(Some(Err(e))) => return lost(out, worker, format!("its stream broke: {e}")),
             Ok(Some(Ok(c))) => c,
@@ -479,10 +609,13 @@ async fn attempt(
             match &event {
                 GenerateEvent::Started { cached_tokens, .. } => {
                     head.cached_blocks = cached_tokens / block_size;
-                    gateway.metrics.kv_blocks(
-                        job.view.prompt_blocks,
-                        head.cached_blocks.min(job.view.prompt_blocks),
-                    );
+                    // Disaggregated, the prefill worker's cache counts.
+                    if route.prefill.is_none() {
+                        gateway.metrics.kv_blocks(
+                            job.view.prompt_blocks,
+                            head.cached_blocks.min(job.view.prompt_blocks),
+                        );
+                    }
                 }
                 GenerateEvent::Token(_) => {
                     let now = Instant::now();
@@ -499,11 +632,35 @@ async fn attempt(
                     }
                     last_token = Some(now);
                 }
-                GenerateEvent::Finished { .. } | GenerateEvent::Error { .. } => {}
+                GenerateEvent::AwaitingKv { .. }
+                | GenerateEvent::Finished { .. }
+                | GenerateEvent::Error { .. } => {}
             }
             match event {
+                GenerateEvent::AwaitingKv {
+                    handle,
+                    from_block,
+                    blocks,
+                    addr,
+                } => match &route.prefill {
+                    Some(prefill) if blocks > 0 => {
+                        let target = KvTarget {
+                            addr,
+                            handle,
+                            from_block,
+                        };
+                        prefill_call = Some(Box::pin(call_prefill(gateway, job, prefill, target)));
+                    }
+                    // Everything is cached on the decode worker.
+                    Some(_) => gateway.metrics.kv_blocks(
+                        job.view.prompt_blocks,
+                        head.cached_blocks.min(job.view.prompt_blocks),
+                    ),
+                    None => return lost(out, worker, "it awaits KV nobody sends".into()),
+                },
                 GenerateEvent::Token(t) => {
-                    let ok = out.send(GenerateEvent::Token(t)) && (!out.stream || out.open(head));
+                    let ok = out.send(GenerateEvent::Token(t))
+                        && (!out.stream || prefill_call.is_some() || out.open(head));
                     if !ok {
                         return Attempt::ClientGone;
                     }
@@ -511,8 +668,23 @@ async fn attempt(
                 GenerateEvent::Finished {
                     reason,
                     text,
-                    usage,
+                    mut usage,
                 } => {
+                    if let Some(call) = prefill_call.take() {
+                        // Finished before the prefill worker's answer came:
+                        // wait (briefly) for its cached blocks.
+                        let wait = job.deadline.min(Instant::now() + ERROR_BODY_WAIT);
+                        if let Ok((prefill, Ok(cached))) =
+                            tokio::time::timeout_at(wait.into(), call).await
+                        {
+                            prefill_cached = Some(cached);
+                            head.prefill_worker = Some(prefill);
+                            head.cached_blocks = cached / block_size;
+                        }
+                    }
+                    if let Some(cached) = prefill_cached {
+                        usage.cached_tokens = cached;
+                    }
                     // Sent after the request is counted (see `Output::close`).
                     out.last = Some(Last::Finished(
                         head,
@@ -527,7 +699,7 @@ async fn attempt(
                 GenerateEvent::Error { message, status }
                     if !out.started() && !status.is_none_or(refused_by_worker) =>
                 {
-                    return Attempt::Retry(format!("it failed the request: {message}"));
+                    return Attempt::Retry(format!("it failed the request: {message}"), worker.id);
                 }
                 GenerateEvent::Error { message, status } if !out.started() => {
                     return Attempt::Refused(ApiError::with_code(
@@ -552,6 +724,100 @@ async fn attempt(
     }
 }
 
+/// The prefill hop in flight: resolves to (prefill worker id, its cached
+/// prompt tokens or why it failed).
+type PrefillCall<'a> = Pin<Box<dyn Future<Output = (u32, Result<u32, String>)> + Send + 'a>>;
+
+/// Asks the prefill worker to prefill the request into the decode worker's
+/// reserved blocks; counts the prefill queued there while it runs.
+async fn call_prefill(
+    gateway: &Gateway,
+    job: &Job,
+    prefill: &Chosen,
+    target: KvTarget,
+) -> (u32, Result<u32, String>) {
+    let worker = &*prefill.worker;
+    let block_size = job.view.block_size.max(1);
+    let _in_flight = InFlight::enter(
+        worker,
+        job.view.prompt_tokens.div_ceil(block_size),
+        job.view
+            .prompt_tokens
+            .saturating_sub(prefill.cached_blocks.saturating_mul(block_size)),
+    );
+    let result = async {
+        let target = serde_json::to_vec(&target).map_err(|e| e.to_string())?;
+        // `{"request": <the generate body>, "target": ...}` without parsing
+        // the body again.
+        let mut body = Vec::with_capacity(job.body.len() + target.len() + 32);
+        body.extend_from_slice(br#"{"request":"#);
+        body.extend_from_slice(&job.body);
+        body.extend_from_slice(br#","target":"#);
+        body.extend_from_slice(&target);
+        body.push(b'}');
+        let request = gateway
+            .client()
+            .post(format!("{}/internal/prefill", worker.url))
+            .header("content-type", "application/json")
+            .header("traceparent", job.trace.header())
+            .body(body)
+            .send();
+        let response = tokio::time::timeout_at(job.deadline.into(), request)
+            .await
+            .map_err(|_| "timed out".to_string())?
+            .map_err(|e| format!("cannot send: {e}"))?;
+        if !response.status().is_success() {
+            return Err(error_answer(job, response).await.message);
+        }
+        let done: PrefillDone = tokio::time::timeout_at(job.deadline.into(), response.json())
+            .await
+            .map_err(|_| "timed out".to_string())?
+            .map_err(|e| format!("bad answer: {e}"))?;
+        tracing::debug!(
+            worker = worker.id,
+            cached_tokens = done.cached_tokens,
+            blocks = done.pushed.blocks,
+            bytes = done.pushed.bytes,
+            transfer_ms = done.pushed.seconds * 1e3,
+            prefill_ms = done.seconds * 1e3,
+            "prefilled"
+        );
+        Ok(done.cached_tokens)
+    }
+    .await;
+    (worker.id, result)
+}
+
+/// The generate body with `"remote_prefill": true` (the body is a JSON
+/// object, as the preprocess stage wrote it).
+fn with_remote_prefill(body: &bytes::Bytes) -> bytes::Bytes {
+    debug_assert_eq!(body.first(), Some(&b'{'));
+    let mut out = Vec::with_capacity(body.len() + 24);
+    out.extend_from_slice(br#"{"remote_prefill":true,"#);
+    out.extend_from_slice(&body[1..]);
+    out.into()
+}
+
+/// The error a refusing worker gave, as ours.
+async fn error_answer(job: &Job, response: reqwest::Response) -> ApiError {
+    let status = response.status();
+    let body = tokio::time::timeout_at(
+        job.deadline.min(Instant::now() + ERROR_BODY_WAIT).into(),
+        response.json::<serde_json::Value>(),
+    )
+    .await;
+    let message = body
+        .ok()
+        .and_then(Result::ok)
+        .and_then(|v| v["error"]["message"].as_str().map(String::from))
+        .unwrap_or_else(|| format!("the worker answered {status}"));
+    ApiError::with_code(
+        Some(status.as_u16()),
+        axum::http::StatusCode::BAD_GATEWAY,
+        message,
+    )
+}
+
 /// How long the error body of a refusing worker is waited for.
 const ERROR_BODY_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -565,7 +831,7 @@ fn refused_by_worker(status: u16) -> bool {
 /// A worker failed mid-request: retry if the client has seen nothing.
 fn lost(out: &mut Output, worker: &Worker, why: String) -> Attempt {
     if !out.started() {
-        return Attempt::Retry(why);
+        return Attempt::Retry(why, worker.id);
     }
     tracing::warn!(worker = worker.id, error = %why, "worker failed mid-stream");
     out.fail(ApiError::new(
