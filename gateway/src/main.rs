@@ -483,7 +483,8 @@ fn run() -> anyhow::Result<()> {
             if let Some(n) = min_prefill_tokens {
                 config.disaggregation.min_prefill_tokens = n;
             }
-            let embedded = config.embedded_workers + config.embedded_prefill + config.embedded_decode;
+            let embedded =
+                config.embedded_workers + config.embedded_prefill + config.embedded_decode;
             match workers {
                 Some(n) => config.embedded_workers = n,
                 None if config.workers.is_empty() && embedded == 0 => {

@@ -89,9 +89,15 @@ impl Cluster {
 
     /// Starts one more worker process that registers itself.
     pub fn add_worker(&mut self) -> String {
+        self.add_worker_with(&[])
+    }
+
+    /// [`Cluster::add_worker`] with more `sluice worker` arguments.
+    pub fn add_worker_with(&mut self, args: &[&str]) -> String {
         let port = free_port();
         let child = Command::new(sluice_bin())
             .args(["worker", "--port", &port.to_string(), "--kv-blocks", "256"])
+            .args(args)
             .arg("--model")
             .arg(model_path())
             .args(["--register", &self.url])

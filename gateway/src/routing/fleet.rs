@@ -337,11 +337,23 @@ mod tests {
         // Out of service forgets the blocks; removal forgets the worker.
         fleet.set_healthy(&b, false);
         fleet.set_healthy(&b, true);
-        assert_eq!(fleet.candidates(&[1, 2], &[], Hop::Aggregated).view.overlap_blocks(), [1, 0]);
+        assert_eq!(
+            fleet
+                .candidates(&[1, 2], &[], Hop::Aggregated)
+                .view
+                .overlap_blocks(),
+            [1, 0]
+        );
         assert!(fleet.remove(a.id));
         assert!(!fleet.remove(a.id));
         assert!(a.is_removed());
-        assert_eq!(fleet.candidates(&[1], &[], Hop::Aggregated).view.worker_ids(), [b.id]);
+        assert_eq!(
+            fleet
+                .candidates(&[1], &[], Hop::Aggregated)
+                .view
+                .worker_ids(),
+            [b.id]
+        );
         assert_eq!(fleet.saturation(3).healthy_workers, 1);
     }
 
@@ -365,6 +377,9 @@ mod tests {
         let view = fleet.candidates(&[], &[], Hop::Prefill).view;
         assert!(view.serves(0, Hop::Prefill) && !view.serves(0, Hop::Decode));
         fleet.set_healthy(&p, false);
-        assert!(!fleet.disaggregated(), "no prefill-only worker is in service");
+        assert!(
+            !fleet.disaggregated(),
+            "no prefill-only worker is in service"
+        );
     }
 }

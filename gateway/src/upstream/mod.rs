@@ -699,7 +699,13 @@ async fn attempt(
                 GenerateEvent::Error { message, status }
                     if !out.started() && !status.is_none_or(refused_by_worker) =>
                 {
-                    return Attempt::Retry(format!("it failed the request: {message}"), worker.id);
+                    // During a transfer, the decode worker's failure is the
+                    // transfer's: the prefill worker is the one excluded.
+                    let failed = match (&route.prefill, &prefill_call) {
+                        (Some(prefill), Some(_)) => prefill.worker.id,
+                        _ => worker.id,
+                    };
+                    return Attempt::Retry(format!("it failed the request: {message}"), failed);
                 }
                 GenerateEvent::Error { message, status } if !out.started() => {
                     return Attempt::Refused(ApiError::with_code(
