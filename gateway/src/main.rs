@@ -287,13 +287,25 @@ enum Bench {
         #[arg(long, default_value_t = 4096)]
         max_tokens: usize,
     },
-    /// KV pages between two GPUs of one node (the same-node transport of
-    /// disaggregation): scattered pages of a model's shape, every layer, K and
-    /// V, in one gather kernel over peer access.
+    /// KV transfer for disaggregation. Without --device: the TCP transport on
+    /// loopback between two engines on the real model (MB/s), and a
+    /// disaggregated request's time to first token split into prefill,
+    /// transfer and first decode step, against aggregated. With --device
+    /// cuda: pages between two GPUs of one node (every layer, K and V, in one
+    /// gather kernel over peer access).
     Transfer {
-        /// cuda (GPU 0 to GPU 1; the TCP transport comes with disaggregation)
-        #[arg(long, default_value = "cuda")]
-        device: Device,
+        /// cuda: GPU 0 to GPU 1 [default: the TCP transport, on the CPU]
+        #[arg(long)]
+        device: Option<Device>,
+        /// The model of the TCP measurement [default: as `sluice worker`]
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Prompt length of the TTFT comparison.
+        #[arg(long, default_value_t = 1024)]
+        prompt_tokens: usize,
+        /// Timed repetitions (medians are reported).
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
         /// Pages to move (of 16 tokens).
         #[arg(long, default_value_t = 4096)]
         pages: usize,
@@ -607,14 +619,29 @@ fn run() -> anyhow::Result<()> {
             which:
                 Bench::Transfer {
                     device,
+                    model,
+                    prompt_tokens,
+                    repeats,
                     pages,
                     synthetic_model,
                 },
         } => {
             use sluice_backend::compute::cuda::{Gpu, bench::peer_transfer};
+            let Some(device) = device else {
+                let options = sluice_gateway::bench::TransferBenchOptions {
+                    model: model_path(model),
+                    prompt_tokens,
+                    repeats: repeats.max(1),
+                };
+                let summary = tokio::runtime::Runtime::new()?
+                    .block_on(sluice_gateway::bench::run_transfer_bench(&options))
+                    .context("sluice bench transfer")?;
+                println!("{summary}");
+                return Ok(());
+            };
             anyhow::ensure!(
                 device == Device::Cuda(0),
-                "only --device cuda (GPU 0 to GPU 1) for now"
+                "--device cuda (GPU 0 to GPU 1), or no --device for the TCP transport"
             );
             let config = sluice_backend::model::LlamaConfig::preset(&synthetic_model)
                 .with_context(|| format!("unknown shape {synthetic_model:?}"))?;

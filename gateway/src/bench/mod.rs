@@ -8,6 +8,7 @@ mod fp4;
 mod gateway;
 mod plugins;
 pub mod routing;
+mod transfer;
 pub mod upstream;
 
 pub use engine::{EngineBenchOptions, run_engine_bench};
@@ -16,6 +17,7 @@ pub use fp4::{Fp4BenchOptions, run_fp4_accuracy_bench};
 pub use gateway::{GatewayBenchOptions, run_gateway_bench};
 pub use plugins::{PluginBenchOptions, run_plugin_bench};
 pub use routing::{RoutingBenchOptions, TraceChoice, run_routing_bench};
+pub use transfer::{TransferBenchOptions, run_transfer_bench};
 
 use std::process::Child;
 use std::time::{Duration, Instant};
