@@ -168,3 +168,105 @@ async fn a_hundred_and_twenty_eight_workers_serve_from_one_process() {
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["usage"]["completion_tokens"], 3);
 }
+
+/// A 1P1D simulated fleet over the worker API: roles in `/health`, a
+/// remote-prefill request on the decode worker, the prefill worker pushing
+/// into it over TCP with the modelled link delay, and the same answer as an
+/// aggregated simulated worker gives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disaggregated_fleet_moves_kv_in_the_modelled_time_and_answers_the_same() {
+    let mut profile = Profile::h200_llama_8b();
+    // A slow link, so its time shows: 20 ms per 16-token block.
+    profile.kv_link_bytes_s = profile.kv_bytes_per_token * 16.0 / 0.020;
+    let options = SimOptions {
+        prefill_workers: 1,
+        ..SimOptions::new(profile.clone(), 2)
+    };
+    let t = tokenizer();
+    let fleet = SimFleet::start(t.clone(), &options).await.unwrap();
+    let (prefill, decode) = (&fleet.urls[0], &fleet.urls[1]);
+    assert_eq!(get(prefill, "/health").await["role"], "prefill");
+    assert_eq!(get(decode, "/health").await["role"], "decode");
+    let aggregated = fleet_of(profile).await;
+
+    // 80 tokens: 5 blocks, of which 79 tokens' worth come from the prefill worker.
+    let words = word_tokens(&t);
+    let prompt: Vec<u32> = (0..80).map(|i| words[i * 7 % words.len()]).collect();
+    let request = json!({"prompt": prompt, "max_tokens": 6, "ignore_eos": true});
+    let want = generated(&aggregated.urls[0], &request).await;
+
+    let mut remote = request.clone();
+    remote["remote_prefill"] = true.into();
+    let response = reqwest::Client::new()
+        .post(format!("{decode}/internal/generate"))
+        .json(&remote)
+        .send()
+        .await
+        .unwrap();
+    let mut body = response.bytes_stream();
+    let mut lines = String::new();
+    let awaiting = loop {
+        let chunk = tokio_stream::StreamExt::next(&mut body)
+            .await
+            .unwrap()
+            .unwrap();
+        lines.push_str(std::str::from_utf8(&chunk).unwrap());
+        if let Some(line) = lines.lines().find(|l| l.contains("awaiting_kv")) {
+            break serde_json::from_str::<Value>(line).unwrap();
+        }
+    };
+    assert_eq!(
+        (awaiting["from_block"].clone(), awaiting["blocks"].clone()),
+        (json!(0), json!(5))
+    );
+    let started = Instant::now();
+    let target = json!({"addr": awaiting["addr"], "handle": awaiting["handle"], "from_block": 0});
+    let (status, done) = post(
+        prefill,
+        "/internal/prefill",
+        json!({"request": request, "target": target}),
+    )
+    .await;
+    assert_eq!(status, 200, "{done}");
+    assert_eq!(done["pushed"]["blocks"], 5);
+    // Five blocks over the modelled link: at least 100 ms.
+    assert!(
+        started.elapsed().as_secs_f64() >= 0.1,
+        "{:?}",
+        started.elapsed()
+    );
+    while let Some(chunk) = tokio_stream::StreamExt::next(&mut body).await {
+        lines.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+    }
+    let got: Vec<u64> = lines
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|e| e["event"] == "token")
+        .map(|e| e["id"].as_u64().unwrap())
+        .collect();
+    assert_eq!(got, want);
+}
+
+async fn fleet_of(profile: Profile) -> SimFleet {
+    SimFleet::start(tokenizer(), &SimOptions::new(profile, 1))
+        .await
+        .unwrap()
+}
+
+/// The token ids `/internal/generate` answers.
+async fn generated(url: &str, request: &Value) -> Vec<u64> {
+    let text = reqwest::Client::new()
+        .post(format!("{url}/internal/generate"))
+        .json(request)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|e| e["event"] == "token")
+        .map(|e| e["id"].as_u64().unwrap())
+        .collect()
+}

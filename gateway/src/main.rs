@@ -186,6 +186,10 @@ enum Sim {
         /// The model name clients send [default: the file name]
         #[arg(long)]
         served_model_name: Option<String>,
+        /// Disaggregated: the first N workers only prefill, the rest only
+        /// decode (KV over TCP, delayed for its modelled bytes)
+        #[arg(long, default_value_t = 0)]
+        prefill_workers: usize,
     },
     /// Time the real CPU forward pass on a set of batch shapes and fit the
     /// `cpu-smollm2` profile's constants to them.
@@ -355,6 +359,14 @@ enum Bench {
         /// Simulated workers [default: 16]
         #[arg(long)]
         workers: Option<usize>,
+        /// Disaggregated fleet: of the workers, this many only prefill and
+        /// the rest only decode (the offered load is the same fleet's)
+        #[arg(long, default_value_t = 0)]
+        prefill_workers: usize,
+        /// With --prefill-workers: prompts with fewer tokens not cached on
+        /// their decode worker skip the prefill hop
+        #[arg(long, default_value_t = 256)]
+        min_prefill_tokens: u32,
         /// Timing profile (h200-llama-8b, cpu-smollm2) [default: h200-llama-8b]
         #[arg(long)]
         profile: Option<String>,
@@ -684,6 +696,8 @@ fn run() -> anyhow::Result<()> {
                     loads,
                     policies,
                     workers,
+                    prefill_workers,
+                    min_prefill_tokens,
                     profile,
                     time_scale,
                     window,
@@ -693,6 +707,8 @@ fn run() -> anyhow::Result<()> {
                 },
         } => {
             let mut options = RoutingBenchOptions::quick(model_path(model));
+            options.prefill_workers = prefill_workers;
+            options.min_prefill_tokens = min_prefill_tokens;
             if !quick {
                 options.loads = vec![0.5, 0.8, 0.95];
                 options.policies = [
@@ -789,6 +805,7 @@ fn run_sim(which: Sim) -> anyhow::Result<()> {
             base_port,
             model,
             served_model_name,
+            prefill_workers,
         } => {
             let profile = Profile::by_name(&profile).with_context(|| {
                 format!(
@@ -804,6 +821,7 @@ fn run_sim(which: Sim) -> anyhow::Result<()> {
                 host,
                 base_port,
                 model_name: served_model_name.unwrap_or(info.name),
+                prefill_workers,
                 ..SimOptions::new(profile, workers)
             };
             tokio::runtime::Runtime::new()?.block_on(async {

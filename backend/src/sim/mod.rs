@@ -4,11 +4,14 @@
 //! of running a model (`executor`), behind the worker's own HTTP API. Many
 //! simulated workers run in one process, each on its own port (`SimFleet`),
 //! for fleet-scale routing experiments; `calibrate` fits a profile to the real
-//! CPU worker. Everything it serves says it is simulated.
+//! CPU worker. Everything it serves says it is simulated. A fleet can be
+//! disaggregated (`prefill_workers`): KV moves over the real TCP transport
+//! with a delay for its modelled bytes (`transfer`).
 
 pub mod calibrate;
 mod executor;
 pub mod profile;
+mod transfer;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -17,6 +20,7 @@ use tokio::task::JoinHandle;
 
 pub use executor::{SimExecutor, next_word, word_tokens};
 pub use profile::{Profile, StepShape};
+pub use transfer::SimTransport;
 
 use crate::engine::{Engine, EngineConfig};
 use crate::model::Tokenizer;
@@ -35,6 +39,9 @@ pub struct SimOptions {
     pub base_port: u16,
     /// The name in `/v1/models`.
     pub model_name: String,
+    /// Disaggregation: the first this many workers only prefill and the
+    /// rest only decode; 0 = every worker does both.
+    pub prefill_workers: usize,
 }
 
 impl SimOptions {
@@ -46,6 +53,7 @@ impl SimOptions {
             host: IpAddr::from([127, 0, 0, 1]),
             base_port: 0,
             model_name: "sim".into(),
+            prefill_workers: 0,
         }
     }
 }
@@ -90,6 +98,18 @@ impl SimFleet {
             ));
         }
         let p = &options.profile;
+        if options.prefill_workers > 0 && options.prefill_workers >= options.workers {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "a disaggregated fleet needs at least one decode worker",
+            ));
+        }
+        let transport = std::sync::Arc::new(SimTransport {
+            inner: crate::transfer::tcp::TcpTransport::default(),
+            block_bytes: p.kv_bytes_per_token * p.block_size as f64,
+            link_bytes_s: p.kv_link_bytes_s,
+            time_scale: options.time_scale,
+        });
         let mut fleet = SimFleet {
             urls: Vec::new(),
             states: Vec::new(),
@@ -122,9 +142,17 @@ impl SimFleet {
                     ..EngineConfig::default()
                 },
             );
-            let state = Arc::new(
-                WorkerState::new(Arc::new(engine), options.model_name.clone()).simulated(&p.name),
-            );
+            let role = match (options.prefill_workers, i < options.prefill_workers) {
+                (0, _) => crate::transfer::Role::Both,
+                (_, true) => crate::transfer::Role::Prefill,
+                (_, false) => crate::transfer::Role::Decode,
+            };
+            let mut state = WorkerState::new(Arc::new(engine), options.model_name.clone())
+                .simulated(&p.name)
+                .with_role(role, SocketAddr::new(options.host, 0), None)
+                .await?;
+            state.transport = transport.clone();
+            let state = Arc::new(state);
             fleet.urls.push(format!("http://{addr}"));
             fleet.states.push(state.clone());
             fleet.servers.push(tokio::spawn(async move {

@@ -41,6 +41,13 @@ pub struct Profile {
     pub max_running: usize,
     /// The model's context, tokens.
     pub context: usize,
+    /// Bytes of K and V per token (all layers): what a disaggregated
+    /// transfer moves. 0 = transfers take no time.
+    #[serde(default)]
+    pub kv_bytes_per_token: f64,
+    /// The link between a prefill and a decode worker, bytes per second.
+    #[serde(default)]
+    pub kv_link_bytes_s: f64,
 }
 
 /// What one step feeds, summed over its chunks.
@@ -113,7 +120,8 @@ impl Profile {
                      measured 4.25 TB/s; 2*params FLOPs per token at 85% of the measured \
                      790 TFLOP/s; attention at 50%; 131,072 KV bytes per token; KV pool \
                      from 90% of 141 GB less weights and 4 GB; 0.4 ms step overhead and \
-                     vLLM-like limits (8192 tokens per step, 256 running) assumed"
+                     vLLM-like limits (8192 tokens per step, 256 running) assumed; \
+                     disaggregated KV moves over one 400 Gb/s NIC (50 GB/s) between nodes"
                 .into(),
             overhead_s: 0.4e-3,
             weight_s: PARAMS * 2.0 / HBM,
@@ -125,6 +133,8 @@ impl Profile {
             step_tokens: 8192,
             max_running: 256,
             context: 131_072,
+            kv_bytes_per_token: KV_BYTES_PER_TOKEN,
+            kv_link_bytes_s: 50e9,
         }
     }
 
@@ -135,7 +145,9 @@ impl Profile {
             name: "cpu-smollm2".into(),
             source: "SmolLM2-135M Q4_1 on the 2-core development VM: constants fitted by \
                      `sluice sim calibrate` to the real CPU worker's step times (see \
-                     BENCHMARKS.md); limits are the CPU worker's defaults"
+                     BENCHMARKS.md); limits are the CPU worker's defaults; F32 KV \
+                     (46,080 bytes a token) over the TCP transport at the 1.1 GB/s \
+                     `sluice bench transfer` measured on loopback"
                 .into(),
             overhead_s: CPU_FIT.0,
             weight_s: CPU_FIT.1,
@@ -147,6 +159,8 @@ impl Profile {
             step_tokens: 256,
             max_running: 16,
             context: 8192,
+            kv_bytes_per_token: 46_080.0,
+            kv_link_bytes_s: 1.1e9,
         }
     }
 }

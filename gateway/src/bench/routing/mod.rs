@@ -49,6 +49,12 @@ pub struct RoutingBenchOptions {
     pub plugins_dir: PathBuf,
     pub profile: Profile,
     pub workers: usize,
+    /// Of the workers, this many only prefill and the rest only decode
+    /// (disaggregation); 0 = all do both.
+    pub prefill_workers: usize,
+    /// Disaggregated: prompts with fewer tokens not cached on their decode
+    /// worker skip the prefill hop.
+    pub min_prefill_tokens: u32,
     /// Real seconds per modelled second.
     pub time_scale: f64,
     pub traces: Vec<TraceChoice>,
@@ -75,6 +81,8 @@ impl RoutingBenchOptions {
             plugins_dir: PathBuf::from("plugins/target/wasm32-wasip2/release"),
             profile: Profile::h200_llama_8b(),
             workers: 16,
+            prefill_workers: 0,
+            min_prefill_tokens: 256,
             time_scale: 2.0,
             traces: vec![TraceChoice::Agentic(AgenticParams {
                 sessions: 1000,
@@ -156,7 +164,9 @@ fn start_router(
             "listen = \"127.0.0.1:{port}\"\nmodel = {model:?}\nserved_model_name = \"sim\"\n\
              context = {context}\nblock_size = {block}\nworkers = {urls:?}\nplugins_dir = {plugins:?}\n\
              admin_token = \"bench-admin-token-0123456789\"\n[limits]\nmax_running_per_worker = {running}\n\
-             request_timeout_ms = 3600000\nidle_stream_timeout_ms = 600000\n",
+             request_timeout_ms = 3600000\nidle_stream_timeout_ms = 600000\n\
+             [disaggregation]\nmin_prefill_tokens = {min_prefill}\n",
+            min_prefill = options.min_prefill_tokens,
             model = options.model.display().to_string(),
             context = p.context,
             block = p.block_size,
@@ -460,6 +470,7 @@ async fn run_async(
     let sim = SimOptions {
         time_scale: options.time_scale,
         model_name: "sim".into(),
+        prefill_workers: options.prefill_workers,
         ..SimOptions::new(options.profile.clone(), options.workers)
     };
     let mut fleet =
