@@ -461,3 +461,90 @@ fn prefill_on_one_gpu_and_decode_on_another_equals_aggregated() {
     let got = decode_greedy(&mut d, &prompts, &tables, first, 32);
     assert_eq!(got, want);
 }
+
+/// Disaggregation on the GPU: a prefill engine and a decode engine on GPU 0,
+/// the BF16 KV staged through the host and over the TCP transport
+/// (`CudaExecutor::read_kv`/`write_kv`), against one aggregated engine.
+/// The decode engine runs the last prompt token alone (the decode attention
+/// kernel) where the aggregated one runs it inside the prompt's prefill
+/// chunk, so the two may part at a near-tie, as the GPU and CPU may.
+#[test]
+fn disaggregated_engines_on_the_gpu_equal_aggregated() {
+    use sluice_backend::transfer::tcp::{TcpTransport, serve_kv};
+    use sluice_backend::transfer::{KvDtype, KvTarget, KvTransport};
+    if !gpu_present() {
+        return;
+    }
+    let tok = &model().1;
+    let aggregated = one_at_a_time(&engine(Device::Cuda(0)), 24);
+    let prefill = Arc::new(engine(Device::Cuda(0)));
+    let decode = Arc::new(engine(Device::Cuda(0)));
+    assert_eq!(decode.kv_layout.dtype, KvDtype::Bf16);
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let addr = runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        tokio::spawn(serve_kv(
+            listener,
+            decode.clone(),
+            std::time::Duration::from_secs(30),
+        ));
+        addr
+    });
+    let (mut compared, mut total) = (0, 0);
+    for (i, want) in aggregated.iter().enumerate() {
+        let prompt = tok.encode(PROMPTS[i]).unwrap();
+        let request = greedy(prompt.clone(), 24);
+        let got = runtime.block_on(async {
+            let mut remote = request.clone();
+            remote.remote_prefill = true;
+            let (_, mut rx) = decode.submit(remote);
+            let (handle, from_block) = loop {
+                match rx.recv().await.unwrap() {
+                    GenerateEvent::AwaitingKv {
+                        handle, from_block, ..
+                    } => break (handle, from_block),
+                    GenerateEvent::Started { .. } => {}
+                    other => panic!("{other:?}"),
+                }
+            };
+            let (_, _events, kv) = prefill.submit_prefill(request.clone(), from_block);
+            let target = KvTarget {
+                addr: addr.clone(),
+                handle,
+                from_block,
+            };
+            TcpTransport::default()
+                .push(target, prefill.kv_layout, kv)
+                .await
+                .unwrap();
+            let mut ids = Vec::new();
+            while let Some(event) = rx.recv().await {
+                match event {
+                    GenerateEvent::Token(t) => ids.push(t.id),
+                    GenerateEvent::Finished { .. } => break,
+                    GenerateEvent::Error { message, .. } => panic!("{message}"),
+                    _ => {}
+                }
+            }
+            ids
+        });
+        let upto = want
+            .iter()
+            .zip(&got)
+            .position(|(a, b)| a != b)
+            .unwrap_or(want.len());
+        if upto < want.len() {
+            let gap = cpu_margins(&prompt, want)[upto];
+            eprintln!("prompt {i}: equal for {upto} tokens, then parted at a CPU gap of {gap:.3}");
+            assert!(
+                gap < NEAR_TIE,
+                "prompt {i}: parted at token {upto}, gap {gap}"
+            );
+        }
+        compared += upto;
+        total += want.len();
+    }
+    eprintln!("disaggregated on the GPU: {compared} of {total} tokens equal to aggregated");
+    assert!(compared * 4 >= total * 3, "{compared} of {total}");
+}
