@@ -10,7 +10,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use sluice_backend::engine::{Engine, EngineConfig, FinishReason, GenerateEvent, GenerateRequest};
-use sluice_backend::model::{ChatMessage, Llama, Tokenizer};
+use sluice_backend::model::{Llama, Tokenizer};
 use sluice_backend::transfer::tcp::{TcpTransport, serve_kv};
 use sluice_backend::transfer::wire::Frame;
 use sluice_backend::transfer::{KvTarget, KvTransport, TransferError};
@@ -41,17 +41,7 @@ async fn decode_worker(config: EngineConfig) -> (Arc<Engine>, String) {
 }
 
 fn chat(question: &str) -> Vec<u32> {
-    let tok = &model().1;
-    let text = tok
-        .apply_chat_template(
-            &[ChatMessage {
-                role: "user".into(),
-                content: question.into(),
-            }],
-            true,
-        )
-        .unwrap();
-    tok.encode(&text).unwrap()
+    common::chat_tokens(&model().1, question)
 }
 
 fn greedy(prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {

@@ -32,17 +32,7 @@ fn engine(config: EngineConfig) -> Engine {
 }
 
 fn chat(question: &str) -> Vec<u32> {
-    let tok = &model().1;
-    let text = tok
-        .apply_chat_template(
-            &[ChatMessage {
-                role: "user".into(),
-                content: question.into(),
-            }],
-            true,
-        )
-        .unwrap();
-    tok.encode(&text).unwrap()
+    common::chat_tokens(&model().1, question)
 }
 
 /// Everything a request produced.

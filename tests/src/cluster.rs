@@ -132,6 +132,28 @@ impl Cluster {
         }
     }
 
+    /// Waits (at most 10 s) until the gateway's KV index holds at least
+    /// `blocks` blocks of worker `id` (its KV events have arrived).
+    pub async fn wait_cached_blocks(&self, id: u64, blocks: u64) {
+        let started = Instant::now();
+        loop {
+            let cached = self
+                .workers_status()
+                .await
+                .iter()
+                .find(|w| w["id"] == id)
+                .map_or(0, |w| w["cached_blocks"].as_u64().unwrap_or(0));
+            if cached >= blocks {
+                return;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "worker {id}'s KV events never arrived ({cached} of {blocks} blocks)"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// `GET /admin/workers`.
     pub async fn workers_status(&self) -> Vec<Value> {
         self.admin_get("/admin/workers").await["workers"]
@@ -305,6 +327,25 @@ pub fn sse_data(text: &str) -> Vec<String> {
         .filter_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
         .map(String::from)
         .collect()
+}
+
+/// The system prompt of the multi-turn tests: long enough for several KV blocks.
+pub const LIBRARY_SYSTEM: &str = "You are a careful assistant for a library. You answer \
+    questions about opening hours, loans, renewals and fines in short, friendly sentences, \
+    and you never invent facts that the library has not told you about.";
+
+/// The second turn of a conversation: `question` answered with `reply`, then
+/// a follow-up.
+pub fn follow_up(question: &str, reply: &str, max_tokens: u32) -> Value {
+    chat(
+        &[
+            ("system", LIBRARY_SYSTEM),
+            ("user", question),
+            ("assistant", reply),
+            ("user", "And on Sunday?"),
+        ],
+        max_tokens,
+    )
 }
 
 /// A chat request body.

@@ -17,7 +17,7 @@ use sluice_backend::transfer::{
 };
 use sluice_gateway::routing::Origin;
 use sluice_tests::Rng;
-use sluice_tests::cluster::{Cluster, chat, model_path};
+use sluice_tests::cluster::{Cluster, LIBRARY_SYSTEM, chat, follow_up, model_path};
 use tokio::io::AsyncWriteExt;
 
 const CHAT: &str = "/v1/chat/completions";
@@ -111,45 +111,20 @@ async fn kv_aware_prefill_routing_reuses_a_conversations_prefix() {
     })
     .await;
     cluster.wait_for_workers(3).await;
-    let system = "You are a careful assistant for a library. You answer questions about \
-                  opening hours, loans, renewals and fines in short, friendly sentences, and \
-                  you never invent facts that the library has not told you about.";
-    let turn1 = [
-        ("system", system),
-        ("user", "When do you open on Saturday?"),
-    ];
+    let question = "When do you open on Saturday?";
+    let turn1 = [("system", LIBRARY_SYSTEM), ("user", question)];
     let (status, h1, r1) = cluster.post(CHAT, &chat(&turn1, 8)).await;
     assert_eq!(status, 200, "{r1}");
     let prefill = header(&h1, "x-sluice-prefill-worker").to_string();
     assert!(!prefill.is_empty(), "turn 1 took the prefill hop");
     let prompt_blocks = r1["usage"]["prompt_tokens"].as_u64().unwrap() / 16;
-    // The prefill worker's KV events reach the gateway's index.
-    let id: u64 = prefill.parse().unwrap();
-    let started = Instant::now();
-    loop {
-        let cached = cluster
-            .workers_status()
-            .await
-            .iter()
-            .find(|w| w["id"] == id)
-            .map_or(0, |w| w["cached_blocks"].as_u64().unwrap());
-        if cached + 1 >= prompt_blocks {
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "KV events never arrived"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    // The prefill worker's KV events reach the gateway's index (its prompt
+    // there lacks the last token, so its last block may be partial).
+    cluster
+        .wait_cached_blocks(prefill.parse().unwrap(), prompt_blocks - 1)
+        .await;
     let reply = r1["choices"][0]["message"]["content"].as_str().unwrap();
-    let turn2 = [
-        ("system", system),
-        ("user", "When do you open on Saturday?"),
-        ("assistant", reply),
-        ("user", "And on Sunday?"),
-    ];
-    let (status, h2, r2) = cluster.post(CHAT, &chat(&turn2, 8)).await;
+    let (status, h2, r2) = cluster.post(CHAT, &follow_up(question, reply, 8)).await;
     assert_eq!(status, 200, "{r2}");
     assert_eq!(
         header(&h2, "x-sluice-prefill-worker"),

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use sluice_tests::cluster::{ADMIN_TOKEN, Cluster, chat};
+use sluice_tests::cluster::{ADMIN_TOKEN, Cluster, LIBRARY_SYSTEM, chat, follow_up};
 
 const CHAT: &str = "/v1/chat/completions";
 const COMPLETIONS: &str = "/v1/completions";
@@ -161,14 +161,11 @@ async fn a_conversation_returns_to_the_worker_holding_its_prefix() {
     let cluster = Cluster::start(2, |_| {}).await;
     let (status, body) = cluster.put_plugin("router", "kv-aware", "").await;
     assert_eq!(status, 200, "{body}");
-    let system = "You are a careful assistant for a library. You answer questions about \
-                  opening hours, loans, renewals and fines in short, friendly sentences, and \
-                  you never invent facts that the library has not told you about.";
     for question in [
         "When do you open on Saturday?",
         "How long can I keep a book?",
     ] {
-        let turn1 = [("system", system), ("user", question)];
+        let turn1 = [("system", LIBRARY_SYSTEM), ("user", question)];
         let (status, h1, r1) = cluster.post(CHAT, &chat(&turn1, 8)).await;
         assert_eq!(status, 200, "{r1}");
         let worker = header(&h1, "x-sluice-worker").to_string();
@@ -180,32 +177,11 @@ async fn a_conversation_returns_to_the_worker_holding_its_prefix() {
         let prompt_blocks = r1["usage"]["prompt_tokens"].as_u64().unwrap() / 16;
         assert!(prompt_blocks >= 3);
         // The worker's KV events reach the gateway's index.
-        let id: u64 = worker.parse().unwrap();
-        let started = Instant::now();
-        while cluster
-            .workers_status()
-            .await
-            .iter()
-            .find(|w| w["id"] == id)
-            .unwrap()["cached_blocks"]
-            .as_u64()
-            .unwrap()
-            < prompt_blocks
-        {
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "KV events never arrived"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        cluster
+            .wait_cached_blocks(worker.parse().unwrap(), prompt_blocks)
+            .await;
         let reply = r1["choices"][0]["message"]["content"].as_str().unwrap();
-        let turn2 = [
-            ("system", system),
-            ("user", question),
-            ("assistant", reply),
-            ("user", "And on Sunday?"),
-        ];
-        let (status, h2, r2) = cluster.post(CHAT, &chat(&turn2, 8)).await;
+        let (status, h2, r2) = cluster.post(CHAT, &follow_up(question, reply, 8)).await;
         assert_eq!(status, 200, "{r2}");
         assert_eq!(
             header(&h2, "x-sluice-worker"),

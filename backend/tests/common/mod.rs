@@ -20,3 +20,17 @@ pub async fn post(url: &str, path: &str, body: serde_json::Value) -> (u16, serde
     let status = r.status().as_u16();
     (status, r.json().await.unwrap_or(serde_json::Value::Null))
 }
+
+/// The token ids of `question` as a user turn under the model's chat template.
+pub fn chat_tokens(tok: &sluice_backend::model::Tokenizer, question: &str) -> Vec<u32> {
+    let text = tok
+        .apply_chat_template(
+            &[sluice_backend::model::ChatMessage {
+                role: "user".into(),
+                content: question.into(),
+            }],
+            true,
+        )
+        .unwrap();
+    tok.encode(&text).unwrap()
+}
