@@ -281,9 +281,16 @@ enum Bench {
     /// FP4 weights: with --accuracy, SmolLM2's perplexity and greedy agreement
     /// in BF16, MXFP4 and NVFP4 on MT-Bench's text (CPU; `make data` first).
     Fp4 {
-        /// The comparison of formats (the only part so far).
+        /// The comparison of formats: perplexity and greedy agreement (CPU).
         #[arg(long)]
         accuracy: bool,
+        /// The Hopper FP4 GEMV (GPU 0): weight-read bandwidth on a Llama
+        /// shape's matrices at 1, 8 and 16 tokens, MXFP4 and NVFP4.
+        #[arg(long)]
+        gemv: bool,
+        /// The shape of --gemv.
+        #[arg(long, default_value = "llama-3.1-8b")]
+        synthetic_model: String,
         /// A GGUF model file [default: as `sluice worker`]
         #[arg(long)]
         model: Option<PathBuf>,
@@ -610,14 +617,53 @@ fn run() -> anyhow::Result<()> {
             which:
                 Bench::Fp4 {
                     accuracy,
+                    gemv,
+                    synthetic_model,
                     model,
                     max_tokens,
                 },
         } => {
-            anyhow::ensure!(
-                accuracy,
-                "only --accuracy so far (the GPU kernels come next)"
-            );
+            anyhow::ensure!(accuracy || gemv, "say --accuracy, --gemv or both");
+            if gemv {
+                let config = sluice_backend::model::LlamaConfig::preset(&synthetic_model)
+                    .with_context(|| format!("unknown shape {synthetic_model:?}"))?;
+                let gpu = sluice_backend::compute::cuda::Gpu::open(0)?;
+                let figures = sluice_backend::compute::cuda::fp4_sweep(&gpu, &config, 512 << 20)?;
+                let mut summary = serde_json::Map::new();
+                for f in &figures {
+                    let mut line = serde_json::to_value(f)?;
+                    line["bench"] = serde_json::json!("fp4-gemv");
+                    println!("{line}");
+                    summary.insert(
+                        format!("{}_{}_n{}", f.format, f.matrix, f.tokens),
+                        serde_json::json!(f.gb_s),
+                    );
+                }
+                // A decode step's four matrices per layer, bytes over time.
+                for format in ["mxfp4", "nvfp4"] {
+                    for tokens in [1, 8, 16] {
+                        let of = || {
+                            figures
+                                .iter()
+                                .filter(move |f| f.format == format && f.tokens == tokens)
+                        };
+                        let bytes: f64 = of().map(|f| f.gb_s * f.us * 1e3).sum();
+                        let us: f64 = of().map(|f| f.us).sum();
+                        summary.insert(
+                            format!("{format}_layer_gb_s_n{tokens}"),
+                            serde_json::json!(bytes / us / 1e3),
+                        );
+                    }
+                }
+                summary.insert("bench".into(), serde_json::json!("fp4-gemv"));
+                summary.insert("device".into(), serde_json::json!(gpu.name));
+                summary.insert("shape".into(), serde_json::json!(synthetic_model));
+                summary.insert("summary".into(), serde_json::json!(true));
+                println!("{}", serde_json::Value::Object(summary));
+                if !accuracy {
+                    return Ok(());
+                }
+            }
             let options = Fp4BenchOptions {
                 model: model_path(model),
                 texts: PathBuf::from(MT_BENCH),

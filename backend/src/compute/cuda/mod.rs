@@ -7,6 +7,7 @@
 pub mod bench;
 pub mod device;
 pub mod executor;
+pub mod fp4;
 pub mod model;
 pub mod nvrtc;
 mod plan;
@@ -16,4 +17,5 @@ pub mod transfer;
 
 pub use device::{Gpu, GpuError, cuda_available};
 pub use executor::CudaExecutor;
+pub use fp4::{Fp4Weights, fp4_sweep};
 pub use model::{ChunkResult, CudaKvCache, CudaLlama, Numerics, StepOutput, Workspace};

@@ -42,6 +42,10 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         name: "transfer.cu",
         source: include_str!("../../../../kernels/transfer.cu"),
     },
+    KernelFile {
+        name: "fp4.cu",
+        source: include_str!("../../../../kernels/fp4.cu"),
+    },
 ];
 
 /// The architectures CI compiles for: Hopper (measured on H200) and Blackwell
