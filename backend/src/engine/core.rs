@@ -582,7 +582,13 @@ impl Core {
                         data.len()
                     ))
                 } else {
-                    let data = convert(&data, dtype, ours.dtype);
+                    // Converted only between unlike caches (a CPU prefill
+                    // worker and a GPU decode worker).
+                    let data = if dtype == ours.dtype {
+                        data
+                    } else {
+                        convert(&data, dtype, ours.dtype)
+                    };
                     self.executor.write_kv(&seq.blocks[first..first + n], &data);
                     *received += n;
                     Ok(())

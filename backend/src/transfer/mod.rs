@@ -101,7 +101,7 @@ impl KvLayout {
 }
 
 /// Converts block bytes from one dtype to another (BF16 rounds to nearest
-/// even; F32 from BF16 is exact).
+/// even; F32 from BF16 is exact; the same dtype is a copy).
 pub fn convert(data: &[u8], from: KvDtype, to: KvDtype) -> Vec<u8> {
     match (from, to) {
         (KvDtype::F32, KvDtype::F32) | (KvDtype::Bf16, KvDtype::Bf16) => data.to_vec(),
