@@ -272,14 +272,15 @@ impl Fleet {
         s
     }
 
-    /// Whether requests take two hops: some healthy worker only prefills
-    /// (then whole requests go to decode-capable workers, and long prompts
-    /// are prefilled on prefill workers first).
+    /// Whether requests are routed by hops: some healthy worker has a role
+    /// other than both. Then whole requests go to decode-capable workers,
+    /// and long prompts are prefilled on prefill workers first (when one is
+    /// left; a decode-only worker can still serve whole requests).
     pub fn disaggregated(&self) -> bool {
         self.workers
             .load()
             .iter()
-            .any(|w| w.is_healthy() && w.role() == Role::Prefill)
+            .any(|w| w.is_healthy() && w.role() != Role::Both)
     }
 
     pub fn healthy_count(&self) -> u32 {
@@ -376,10 +377,11 @@ mod tests {
         assert_eq!(ids(Hop::Aggregated), [both.id]);
         let view = fleet.candidates(&[], &[], Hop::Prefill).view;
         assert!(view.serves(0, Hop::Prefill) && !view.serves(0, Hop::Decode));
+        // Without its prefill worker the fleet still routes by hops: the
+        // decode-only worker takes whole requests (no aggregated candidate).
         fleet.set_healthy(&p, false);
-        assert!(
-            !fleet.disaggregated(),
-            "no prefill-only worker is in service"
-        );
+        assert!(fleet.disaggregated());
+        fleet.set_healthy(&d, false);
+        assert!(!fleet.disaggregated(), "every worker in service does both");
     }
 }
