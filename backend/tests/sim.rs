@@ -238,13 +238,7 @@ async fn a_disaggregated_fleet_moves_kv_in_the_modelled_time_and_answers_the_sam
     while let Some(chunk) = tokio_stream::StreamExt::next(&mut body).await {
         lines.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
     }
-    let got: Vec<u64> = lines
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .filter(|e| e["event"] == "token")
-        .map(|e| e["id"].as_u64().unwrap())
-        .collect();
-    assert_eq!(got, want);
+    assert_eq!(token_ids(&lines), want);
 }
 
 async fn fleet_of(profile: Profile) -> SimFleet {
@@ -264,7 +258,13 @@ async fn generated(url: &str, request: &Value) -> Vec<u64> {
         .text()
         .await
         .unwrap();
-    text.lines()
+    token_ids(&text)
+}
+
+/// The token ids of an `/internal/generate` answer (NDJSON events).
+fn token_ids(ndjson: &str) -> Vec<u64> {
+    ndjson
+        .lines()
         .map(|l| serde_json::from_str::<Value>(l).unwrap())
         .filter(|e| e["event"] == "token")
         .map(|e| e["id"].as_u64().unwrap())
