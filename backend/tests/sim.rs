@@ -270,3 +270,38 @@ fn token_ids(ndjson: &str) -> Vec<u64> {
         .map(|e| e["id"].as_u64().unwrap())
         .collect()
 }
+
+/// Chunked prefill makes a block reusable (prefix cache, KV event) only once
+/// its K and V are computed. The engine answers a snapshot between steps: one
+/// asked for while the first 16-token chunk of a 96-token prompt runs sees
+/// exactly that chunk's block, not the whole prompt's.
+#[test]
+fn a_chunked_prefill_caches_only_the_blocks_it_has_computed() {
+    use sluice_backend::engine::{Engine, EngineConfig, GenerateEvent, GenerateRequest};
+    use sluice_backend::sim::SimExecutor;
+    let t = tokenizer();
+    let words: Arc<[u32]> = word_tokens(&t).into();
+    let mut profile = Profile::h200_llama_8b();
+    profile.overhead_s = 0.05; // every step takes 50 ms or more
+    let executor = SimExecutor::new(profile, 1.0, words.clone(), t.vocab_size());
+    let engine = Engine::start_with(
+        Box::new(executor),
+        t.clone(),
+        EngineConfig {
+            step_tokens: 16,
+            ..EngineConfig::default()
+        },
+    );
+    let prompt: Vec<u32> = (0..96).map(|i| words[i * 13 % words.len()]).collect();
+    let (_, mut rx) = engine.submit(GenerateRequest::new(prompt, 1));
+    // `started` is sent at admission, in the first step, before its chunk runs.
+    assert!(matches!(
+        rx.blocking_recv(),
+        Some(GenerateEvent::Started { .. })
+    ));
+    let (_, cached) = engine.cached_snapshot();
+    assert_eq!(cached.len(), 1, "after one 16-token chunk: {cached:?}");
+    while rx.blocking_recv().is_some() {}
+    let (_, cached) = engine.cached_snapshot();
+    assert_eq!(cached.len(), 6, "the whole 96-token prompt, after it ran");
+}
