@@ -496,18 +496,9 @@ fn disaggregated_engines_on_the_gpu_equal_aggregated() {
         let prompt = tok.encode(PROMPTS[i]).unwrap();
         let request = greedy(prompt.clone(), 24);
         let got = runtime.block_on(async {
-            let mut remote = request.clone();
-            remote.remote_prefill = true;
-            let (_, mut rx) = decode.submit(remote);
-            let (handle, from_block) = loop {
-                match rx.recv().await.unwrap() {
-                    GenerateEvent::AwaitingKv {
-                        handle, from_block, ..
-                    } => break (handle, from_block),
-                    GenerateEvent::Started { .. } => {}
-                    other => panic!("{other:?}"),
-                }
-            };
+            let reserved = decode.reserve_kv(request.clone()).await.unwrap();
+            let (mut rx, handle, from_block) =
+                (reserved.events, reserved.handle, reserved.from_block);
             let (_, _events, kv) = prefill.submit_prefill(request.clone(), from_block);
             let target = KvTarget {
                 addr: addr.clone(),

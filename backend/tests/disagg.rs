@@ -67,27 +67,14 @@ async fn tokens(rx: &mut UnboundedReceiver<GenerateEvent>) -> Result<Vec<u32>, S
     Err("the stream ended without a last event".into())
 }
 
-/// Submits `request` to `decode` as a remote-prefill request; returns its
-/// events and the `awaiting_kv` event's (handle, from block, blocks).
+/// Reserves `request`'s blocks on `decode`: its events, the handle, the
+/// first block wanted and the block count.
 async fn reserve(
     decode: &Engine,
     request: &GenerateRequest,
 ) -> (UnboundedReceiver<GenerateEvent>, u64, u32, u32) {
-    let mut remote = request.clone();
-    remote.remote_prefill = true;
-    let (_, mut rx) = decode.submit(remote);
-    loop {
-        match rx.recv().await.expect("events") {
-            GenerateEvent::Started { .. } => {}
-            GenerateEvent::AwaitingKv {
-                handle,
-                from_block,
-                blocks,
-                ..
-            } => return (rx, handle, from_block, blocks),
-            other => panic!("expected awaiting_kv, got {other:?}"),
-        }
-    }
+    let r = decode.reserve_kv(request.clone()).await.unwrap();
+    (r.events, r.handle, r.from_block, r.blocks)
 }
 
 /// 1P1D: prefill on `prefill`, KV over TCP, decode on `decode`.

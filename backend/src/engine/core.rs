@@ -62,6 +62,19 @@ pub struct NumberedKvEvent {
     pub event: KvEvent,
 }
 
+/// A `remote_prefill` request whose blocks are reserved ([`Engine::reserve_kv`]).
+#[derive(Debug)]
+pub struct Reservation {
+    /// The request's events from here on (tokens once its KV has landed).
+    pub events: tmpsc::UnboundedReceiver<GenerateEvent>,
+    /// The transfer handle (the request's id).
+    pub handle: u64,
+    /// The first block a prefill worker sends (earlier ones are cached here).
+    pub from_block: u32,
+    /// Blocks to send; 0 = the whole prompt is cached here.
+    pub blocks: u32,
+}
+
 /// One step of a transfer into a `remote_prefill` request's reserved blocks
 /// (what the transport's receiving end passes on).
 #[derive(Debug)]
@@ -252,6 +265,37 @@ impl Engine {
         answer
             .await
             .unwrap_or_else(|_| Err("the engine has stopped".into()))
+    }
+
+    /// Queues `request` as a `remote_prefill` request and waits until its
+    /// blocks are reserved: its events (from after `awaiting_kv`) and the
+    /// reservation, or the error the engine answered instead.
+    pub async fn reserve_kv(&self, request: GenerateRequest) -> Result<Reservation, String> {
+        let (_, mut events) = self.submit(GenerateRequest {
+            remote_prefill: true,
+            ..request
+        });
+        while let Some(event) = events.recv().await {
+            match event {
+                GenerateEvent::AwaitingKv {
+                    handle,
+                    from_block,
+                    blocks,
+                    ..
+                } => {
+                    return Ok(Reservation {
+                        events,
+                        handle,
+                        from_block,
+                        blocks,
+                    });
+                }
+                GenerateEvent::Error { message, .. } => return Err(message),
+                GenerateEvent::Started { .. } => {}
+                other => return Err(format!("expected awaiting_kv, got {other:?}")),
+            }
+        }
+        Err("the engine has stopped".into())
     }
 
     pub fn cancel(&self, id: u64) {

@@ -11,7 +11,7 @@ mod executor;
 pub mod sampling;
 mod types;
 
-pub use core::{Engine, EngineConfig, KvIntake, NumberedKvEvent};
+pub use core::{Engine, EngineConfig, KvIntake, NumberedKvEvent, Reservation};
 pub use device::Device;
 pub use executor::{Executor, ModelExecutor, Next};
 pub use sampling::{Sampled, Sampler, SamplingParams};

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use sluice_backend::engine::{Engine, EngineConfig, GenerateEvent, GenerateRequest};
+use sluice_backend::engine::{Engine, EngineConfig, GenerateEvent, GenerateRequest, Reservation};
 use sluice_backend::transfer::tcp::{TcpTransport, serve_kv};
 use sluice_backend::transfer::{KvExport, KvTarget, KvTransport};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -33,7 +33,7 @@ pub enum TransferBenchError {
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    super::percentile(&v, 0.5)
 }
 
 /// Prompt `i` of `n` tokens: ids spread over the vocabulary, different for
@@ -42,30 +42,6 @@ fn prompt(i: usize, n: usize, vocab: usize) -> Vec<u32> {
     (0..n)
         .map(|j| ((i * 7919 + j * 104_729 + 1) % (vocab - 1)) as u32)
         .collect()
-}
-
-/// Reserves blocks for `request` on `decode`; returns its events and
-/// (handle, from block, blocks).
-async fn reserve(
-    decode: &Engine,
-    request: &GenerateRequest,
-) -> Result<(UnboundedReceiver<GenerateEvent>, u64, u32, u32), TransferBenchError> {
-    let mut remote = request.clone();
-    remote.remote_prefill = true;
-    let (_, mut rx) = decode.submit(remote);
-    while let Some(event) = rx.recv().await {
-        match event {
-            GenerateEvent::AwaitingKv {
-                handle,
-                from_block,
-                blocks,
-                ..
-            } => return Ok((rx, handle, from_block, blocks)),
-            GenerateEvent::Error { message, .. } => return Err(TransferBenchError::Run(message)),
-            _ => {}
-        }
-    }
-    Err(TransferBenchError::Run("the decode engine stopped".into()))
 }
 
 /// Waits for the first token (or the end).
@@ -120,7 +96,15 @@ pub async fn run_transfer_bench(
     for i in 0..options.repeats + 1 {
         let mut request = GenerateRequest::new(prompt(1000 + i, longest, vocab), 1);
         request.ignore_eos = true;
-        let (mut rx, handle, from_block, blocks) = reserve(&decode, &request).await?;
+        let Reservation {
+            events: mut rx,
+            handle,
+            from_block,
+            blocks,
+        } = decode
+            .reserve_kv(request)
+            .await
+            .map_err(TransferBenchError::Run)?;
         let (tx, chunks) = tokio::sync::mpsc::unbounded_channel();
         let per_chunk = 16u32;
         let mut first = from_block;
@@ -174,7 +158,15 @@ pub async fn run_transfer_bench(
             ..request
         };
         let t0 = Instant::now();
-        let (mut rx, handle, from_block, _) = reserve(&decode, &request).await?;
+        let Reservation {
+            events: mut rx,
+            handle,
+            from_block,
+            ..
+        } = decode
+            .reserve_kv(request.clone())
+            .await
+            .map_err(TransferBenchError::Run)?;
         let (_, mut events, kv) = prefill.submit_prefill(request.clone(), from_block);
         let target = KvTarget {
             addr: addr.clone(),
