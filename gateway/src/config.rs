@@ -38,8 +38,15 @@ pub struct Config {
     /// The context the workers serve, in tokens; default: the model file's.
     /// Set it when they serve a longer one (simulated workers, say).
     pub context: Option<u32>,
-    /// Workers' base URLs (`http://host:port`); more can register themselves.
-    pub workers: Vec<String>,
+    /// Workers: a base URL (`http://host:port`, a sluice worker) or a table
+    /// (`{ url, kind = "openai", kv_events, ... }`); sluice workers can also
+    /// register themselves.
+    pub workers: Vec<WorkerEntry>,
+    /// The tokenizer that prompts bound for `kind = "openai"` workers are
+    /// cut into blocks with, for routing (a GGUF file, a Hugging Face folder,
+    /// or a `tokenizer.json` beside its `tokenizer_config.json`); default:
+    /// `model`'s. With neither, such prompts are routed by their text.
+    pub tokenizer: Option<PathBuf>,
     /// In-process workers serving `model` (the single-machine default).
     pub embedded_workers: u32,
     /// In-process prefill-only workers (a disaggregated fleet on one machine).
@@ -66,6 +73,95 @@ pub struct Config {
     pub fleet: FleetConfig,
     pub routing: RoutingConfig,
     pub telemetry: TelemetryConfig,
+}
+
+/// One configured worker: a URL alone is a sluice worker.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum WorkerEntry {
+    Url(String),
+    Spec(WorkerSpec),
+}
+
+impl WorkerEntry {
+    pub fn spec(&self) -> WorkerSpec {
+        match self {
+            WorkerEntry::Url(url) => WorkerSpec::sluice(url),
+            WorkerEntry::Spec(spec) => spec.clone(),
+        }
+    }
+}
+
+impl From<&str> for WorkerEntry {
+    fn from(url: &str) -> Self {
+        WorkerEntry::Url(url.to_string())
+    }
+}
+
+/// What a worker is, and how the gateway learns what it caches.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerKind {
+    /// A sluice worker: token ids in, events out, KV events on `/events`.
+    #[default]
+    Sluice,
+    /// Any OpenAI-compatible server (vLLM, SGLang, TensorRT-LLM, llama.cpp,
+    /// another gateway): the client's body is forwarded and the answer relayed
+    /// byte for byte.
+    Openai,
+}
+
+/// A worker entry in full.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerSpec {
+    /// Base URL, `http://host:port`.
+    pub url: String,
+    #[serde(default)]
+    pub kind: WorkerKind,
+    /// The engine's KV event publisher (ZMQ, `tcp://host:5557`: vLLM's
+    /// `--kv-events-config` endpoint, SGLang's likewise); none = the
+    /// gateway predicts the worker's cache from its own routing
+    /// (approximate mode).
+    #[serde(default)]
+    pub kv_events: Option<String>,
+    /// The publisher's replay endpoint (vLLM's `replay_endpoint`): after a
+    /// gap or a reconnect the missed events are asked for there.
+    #[serde(default)]
+    pub kv_replay: Option<String>,
+    /// Data-parallel ranks of the engine (attention DP): each rank caches on
+    /// its own and is routed to as its own worker (header
+    /// `X-data-parallel-rank`); rank r publishes on the endpoint's port + r.
+    #[serde(default = "one")]
+    pub dp_ranks: u32,
+    /// Sent as `Authorization: Bearer` to the worker.
+    #[serde(default)]
+    pub api_key: Option<String>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl WorkerSpec {
+    pub fn sluice(url: &str) -> Self {
+        Self::new(url, WorkerKind::Sluice)
+    }
+
+    pub fn openai(url: &str) -> Self {
+        Self::new(url, WorkerKind::Openai)
+    }
+
+    fn new(url: &str, kind: WorkerKind) -> Self {
+        Self {
+            url: url.to_string(),
+            kind,
+            kv_events: None,
+            kv_replay: None,
+            dp_ranks: 1,
+            api_key: None,
+        }
+    }
 }
 
 /// When a request takes the prefill hop (in a fleet with prefill workers).
@@ -95,6 +191,16 @@ pub struct RoutingConfig {
     pub decision_log: Option<PathBuf>,
     /// The file stops growing at this size.
     pub decision_log_max_bytes: u64,
+    /// Approximate mode (workers whose KV events are not heard): a routed
+    /// prompt's blocks count as cached on its worker for this long after
+    /// the last request that used them.
+    pub approximate_ttl_ms: u64,
+    /// The most predicted blocks per worker (the oldest go first).
+    pub approximate_max_blocks: u32,
+    /// Without a tokenizer, prompts bound for OpenAI workers are cut into
+    /// blocks of this many characters (a block counts as a quarter as many
+    /// tokens).
+    pub text_block_chars: u32,
 }
 
 impl Default for RoutingConfig {
@@ -102,6 +208,9 @@ impl Default for RoutingConfig {
         Self {
             decision_log: None,
             decision_log_max_bytes: 1 << 30,
+            approximate_ttl_ms: 120_000,
+            approximate_max_blocks: 1 << 20,
+            text_block_chars: 64,
         }
     }
 }
@@ -167,6 +276,7 @@ impl Default for Config {
             served_model_name: None,
             context: None,
             workers: Vec::new(),
+            tokenizer: None,
             embedded_workers: 0,
             embedded_prefill: 0,
             embedded_decode: 0,
@@ -250,6 +360,13 @@ impl Config {
             path: path.into(),
             message: e.to_string(),
         })
+    }
+
+    /// Whether any configured worker is an OpenAI passthrough upstream.
+    pub fn has_openai_workers(&self) -> bool {
+        self.workers
+            .iter()
+            .any(|w| w.spec().kind == WorkerKind::Openai)
     }
 
     pub fn from_file(path: &std::path::Path) -> Result<Config, ConfigError> {
@@ -357,12 +474,45 @@ impl Config {
                 "fleet.max_attempts must be at least 1".into(),
             ));
         }
-        for url in &self.workers {
+        for worker in &self.workers {
+            let spec = worker.spec();
+            let url = &spec.url;
             if !(url.starts_with("http://") || url.starts_with("https://")) {
                 return Err(ConfigError::Invalid(format!(
                     "worker `{url}` is not an http:// URL"
                 )));
             }
+            if !(1..=256).contains(&spec.dp_ranks) {
+                return Err(ConfigError::Invalid(format!(
+                    "worker `{url}`: dp_ranks must be between 1 and 256"
+                )));
+            }
+            for endpoint in spec.kv_events.iter().chain(&spec.kv_replay) {
+                if spec.kind != WorkerKind::Openai {
+                    return Err(ConfigError::Invalid(format!(
+                        "worker `{url}`: kv_events and kv_replay are for kind = \"openai\" (sluice workers publish on /events)"
+                    )));
+                }
+                crate::routing::engine_events::parse_tcp_endpoint(endpoint)
+                    .map_err(|e| ConfigError::Invalid(format!("worker `{url}`: {e}")))?;
+            }
+            if spec.kind == WorkerKind::Sluice && spec.dp_ranks != 1 {
+                return Err(ConfigError::Invalid(format!(
+                    "worker `{url}`: dp_ranks is for kind = \"openai\""
+                )));
+            }
+        }
+        let routing = &self.routing;
+        if routing.approximate_ttl_ms == 0 || routing.approximate_max_blocks == 0 {
+            return Err(ConfigError::Invalid(
+                "routing.approximate_ttl_ms and routing.approximate_max_blocks must be at least 1"
+                    .into(),
+            ));
+        }
+        if !(4..=65_536).contains(&routing.text_block_chars) {
+            return Err(ConfigError::Invalid(
+                "routing.text_block_chars must be between 4 and 65536".into(),
+            ));
         }
         Ok(())
     }
@@ -425,5 +575,37 @@ mod tests {
             Err(ConfigError::Invalid(_))
         ));
         assert!(err("").is_ok());
+        assert!(matches!(
+            err("workers = [{ url = \"http://a:1\", kv_events = \"tcp://a:5557\" }]"),
+            Err(ConfigError::Invalid(_))
+        ));
+        assert!(matches!(
+            err("workers = [{ url = \"http://a:1\", kind = \"openai\", kv_events = \"a:5557\" }]"),
+            Err(ConfigError::Invalid(_))
+        ));
+    }
+
+    #[test]
+    fn worker_entries_are_urls_or_tables() {
+        let c = Config::from_toml(
+            r#"
+            workers = [
+                "http://10.0.0.1:8081",
+                { url = "http://10.0.0.2:8000", kind = "openai", kv_events = "tcp://10.0.0.2:5557", dp_ranks = 2 },
+            ]
+            "#,
+            "t.toml",
+        )
+        .unwrap();
+        c.check().unwrap();
+        assert_eq!(
+            c.workers[0].spec(),
+            WorkerSpec::sluice("http://10.0.0.1:8081")
+        );
+        let vllm = c.workers[1].spec();
+        assert_eq!(vllm.kind, WorkerKind::Openai);
+        assert_eq!(vllm.kv_events.as_deref(), Some("tcp://10.0.0.2:5557"));
+        assert_eq!((vllm.dp_ranks, vllm.kv_replay), (2, None));
+        assert!(c.has_openai_workers());
     }
 }

@@ -9,17 +9,26 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use sluice_backend::server::Frontend;
 
 use crate::admission::AdmissionQueue;
-use crate::config::Config;
+use crate::config::{Config, WorkerKind, WorkerSpec};
 use crate::plugins::{self, HostConfig, Runtime, Slot, WasmAdmission, WasmCachePolicy, WasmRouter};
 use crate::routing::decision_log::DecisionLog;
-use crate::routing::{Fleet, Origin, Shadow};
+use crate::routing::{Fleet, Origin, Shadow, Upstream, engine_events};
 use crate::telemetry::Metrics;
 
 /// Why the gateway could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    #[error("no model: set `model` in the config (or pass --model)")]
+    #[error(
+        "no model: set `model` in the config (or pass --model); only a gateway whose workers are all kind = \"openai\" runs without one"
+    )]
     NoModel,
+    #[error("cannot load the tokenizer {path}")]
+    Tokenizer {
+        path: String,
+        source: sluice_backend::model::LoadError,
+    },
+    #[error("worker {url}: {message}")]
+    Configured { url: String, message: String },
     #[error("cannot load the model {path}")]
     Model {
         path: String,
@@ -88,8 +97,12 @@ impl Policies {
 #[derive(Debug)]
 pub struct Gateway {
     pub config: Config,
-    /// The OpenAI layer over the served model (the worker's code).
-    pub frontend: Arc<Frontend>,
+    /// The OpenAI layer over the served model (the worker's code); none when
+    /// the gateway only forwards to OpenAI workers and knows no model.
+    pub frontend: Option<Arc<Frontend>>,
+    /// What prompts bound for OpenAI workers are tokenized with, for
+    /// routing (none: by their text).
+    pub routing_tokenizer: Option<Arc<sluice_backend::model::Tokenizer>>,
     pub fleet: Arc<Fleet>,
     pub policies: Policies,
     pub queue: Arc<AdmissionQueue>,
@@ -104,6 +117,9 @@ pub struct Gateway {
     pub next_request: AtomicU64,
     /// Where routing decisions' inputs are recorded, when configured.
     pub decision_log: Option<DecisionLog>,
+    /// Whether the config names OpenAI workers (requests are then read
+    /// for forwarding too).
+    forwards: bool,
     /// The runtime `start` ran on: worker monitors live there, never on a
     /// server thread whose request work could delay their heartbeats.
     background: tokio::runtime::Handle,
@@ -121,56 +137,46 @@ impl Gateway {
     /// Loads the model's tokenizer, the plugins, starts embedded workers and
     /// the fleet's monitors, and serves on `config.listen`.
     pub async fn start(config: Config) -> Result<Running, StartError> {
-        let model_path = config.model.clone().ok_or(StartError::NoModel)?;
-        let load_error = |source| StartError::Model {
-            path: model_path.display().to_string(),
-            source,
-        };
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        let client = worker_client(&config)?;
-        let fleet = Arc::new(Fleet::new(config.fleet.clone(), config.block_size));
-        use sluice_backend::transfer::Role;
-        let roles: Vec<Role> = [
-            (config.embedded_workers, Role::Both),
-            (config.embedded_prefill, Role::Prefill),
-            (config.embedded_decode, Role::Decode),
-        ]
-        .iter()
-        .flat_map(|&(n, role)| std::iter::repeat_n(role, n as usize))
-        .collect();
-        let (frontend, embedded) = if !roles.is_empty() {
-            // One load of the weights serves every embedded worker.
-            let loaded = sluice_backend::model::load(&model_path).map_err(load_error)?;
-            let name = config.served_model_name.clone().unwrap_or(loaded.name);
-            let llama = Arc::new(loaded.llama);
-            let tokenizer = Arc::new(loaded.tokenizer);
-            let frontend = frontend(&config, &name, tokenizer.clone(), &llama.config, created);
-            let mut urls = Vec::new();
-            for (index, &role) in roles.iter().enumerate() {
-                urls.push(
-                    start_embedded_worker(&config, llama.clone(), tokenizer.clone(), &name, role)
-                        .await
-                        .map_err(|source| StartError::Worker {
-                            index: index as u32,
-                            source,
-                        })?,
-                );
+        let (frontend, embedded) = match &config.model {
+            Some(path) => {
+                let (frontend, embedded) = Self::load_model(&config, path, created).await?;
+                (Some(frontend), embedded)
             }
-            (frontend, urls)
-        } else {
-            let info = sluice_backend::model::describe(&model_path).map_err(load_error)?;
-            let name = config.served_model_name.clone().unwrap_or(info.name);
-            let frontend = frontend(
-                &config,
-                &name,
-                Arc::new(info.tokenizer),
-                &info.config,
-                created,
-            );
-            (frontend, Vec::new())
+            None => {
+                let only_openai =
+                    config.embedded_workers + config.embedded_prefill + config.embedded_decode == 0
+                        && !config.workers.is_empty()
+                        && config
+                            .workers
+                            .iter()
+                            .all(|w| w.spec().kind == WorkerKind::Openai);
+                if !only_openai {
+                    return Err(StartError::NoModel);
+                }
+                (None, Vec::new())
+            }
         };
+        let routing_tokenizer = match &config.tokenizer {
+            Some(path) => Some(Arc::new(
+                sluice_backend::model::load_tokenizer(path).map_err(|source| {
+                    StartError::Tokenizer {
+                        path: path.display().to_string(),
+                        source,
+                    }
+                })?,
+            )),
+            None => frontend.as_ref().map(|f| f.tokenizer.clone()),
+        };
+        let client = worker_client(&config)?;
+        let mut fleet = Fleet::new(config.fleet.clone(), config.block_size);
+        fleet.approximate = crate::routing::Approximate {
+            ttl: Duration::from_millis(config.routing.approximate_ttl_ms),
+            max_blocks: config.routing.approximate_max_blocks as usize,
+        };
+        let fleet = Arc::new(fleet);
         let policies = Policies::new()?;
         if let Some(dir) = &config.plugins_dir {
             crate::admin::load_plugins_dir(&policies, dir)?;
@@ -198,11 +204,13 @@ impl Gateway {
             None => None,
         };
         let gateway = Arc::new(Gateway {
+            forwards: config.has_openai_workers(),
             decision_log,
             queue: AdmissionQueue::new(config.limits.max_queued),
             instance: format!("{:x}", created ^ u64::from(std::process::id())),
             config,
             frontend,
+            routing_tokenizer,
             fleet,
             policies,
             metrics: Metrics::new(),
@@ -214,8 +222,13 @@ impl Gateway {
         for url in &embedded {
             gateway.add_worker(url, Origin::Embedded);
         }
-        for url in gateway.config.workers.clone() {
-            gateway.add_worker(&url, Origin::Static);
+        for entry in gateway.config.workers.clone() {
+            gateway
+                .add_configured(&entry.spec())
+                .map_err(|message| StartError::Configured {
+                    url: entry.spec().url,
+                    message,
+                })?;
         }
         if let Some(dir) = gateway.config.plugins_dir.clone() {
             crate::admin::watch_plugins_dir(gateway.clone(), dir);
@@ -232,12 +245,107 @@ impl Gateway {
             },
         )?;
         let addr = server.addr;
-        tracing::info!(%addr, threads, model = %gateway.frontend.model_name, workers = gateway.fleet.workers().len(), "gateway listening");
+        let model = gateway.frontend.as_ref().map(|f| f.model_name.clone());
+        tracing::info!(%addr, threads, model = model.as_deref().unwrap_or("(the workers')"), workers = gateway.fleet.workers().len(), "gateway listening");
         Ok(Running {
             gateway,
             addr,
             server,
         })
+    }
+
+    /// Loads the served model's tokenizer and config (and, for embedded
+    /// workers, its weights) and starts the embedded workers.
+    async fn load_model(
+        config: &Config,
+        model_path: &std::path::Path,
+        created: u64,
+    ) -> Result<(Arc<Frontend>, Vec<String>), StartError> {
+        let load_error = |source| StartError::Model {
+            path: model_path.display().to_string(),
+            source,
+        };
+        use sluice_backend::transfer::Role;
+        let roles: Vec<Role> = [
+            (config.embedded_workers, Role::Both),
+            (config.embedded_prefill, Role::Prefill),
+            (config.embedded_decode, Role::Decode),
+        ]
+        .iter()
+        .flat_map(|&(n, role)| std::iter::repeat_n(role, n as usize))
+        .collect();
+        if !roles.is_empty() {
+            // One load of the weights serves every embedded worker.
+            let loaded = sluice_backend::model::load(model_path).map_err(load_error)?;
+            let name = config.served_model_name.clone().unwrap_or(loaded.name);
+            let llama = Arc::new(loaded.llama);
+            let tokenizer = Arc::new(loaded.tokenizer);
+            let frontend = frontend(config, &name, tokenizer.clone(), &llama.config, created);
+            let mut urls = Vec::new();
+            for (index, &role) in roles.iter().enumerate() {
+                urls.push(
+                    start_embedded_worker(config, llama.clone(), tokenizer.clone(), &name, role)
+                        .await
+                        .map_err(|source| StartError::Worker {
+                            index: index as u32,
+                            source,
+                        })?,
+                );
+            }
+            Ok((frontend, urls))
+        } else {
+            let info = sluice_backend::model::describe(model_path).map_err(load_error)?;
+            let name = config.served_model_name.clone().unwrap_or(info.name);
+            let frontend = frontend(
+                config,
+                &name,
+                Arc::new(info.tokenizer),
+                &info.config,
+                created,
+            );
+            Ok((frontend, Vec::new()))
+        }
+    }
+
+    /// Adds a configured worker: a sluice worker, or an OpenAI worker (one
+    /// fleet entry per data-parallel rank, each following its rank's KV
+    /// event publisher when one is named).
+    pub fn add_configured(&self, spec: &WorkerSpec) -> Result<(), String> {
+        if spec.kind == WorkerKind::Sluice {
+            self.add_worker(&spec.url, Origin::Static);
+            return Ok(());
+        }
+        for rank in 0..spec.dp_ranks {
+            let upstream = Upstream {
+                kind: WorkerKind::Openai,
+                dp_rank: (spec.dp_ranks > 1).then_some(rank),
+                api_key: spec.api_key.clone(),
+            };
+            let (worker, new) = self.fleet.add_upstream(&spec.url, Origin::Static, upstream);
+            if !new {
+                continue;
+            }
+            let _guard = self.background.enter();
+            crate::routing::spawn_monitor(self.fleet.clone(), self.client.clone(), worker.clone());
+            if let Some(events) = &spec.kv_events {
+                let publisher = engine_events::Publisher {
+                    events: engine_events::rank_endpoint(events, rank)?,
+                    replay: spec
+                        .kv_replay
+                        .as_deref()
+                        .map(|r| engine_events::rank_endpoint(r, rank))
+                        .transpose()?,
+                };
+                engine_events::spawn(self.fleet.clone(), worker, publisher);
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether requests may be forwarded to OpenAI workers (the config
+    /// names some).
+    pub fn forwards(&self) -> bool {
+        self.forwards
     }
 
     /// Adds (or refreshes) a worker and starts watching a new one.

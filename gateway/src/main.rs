@@ -19,7 +19,7 @@ use sluice_gateway::bench::{
 };
 
 use sluice_backend::model::FETCHED_MODEL as DEFAULT_MODEL;
-use sluice_gateway::config::ProcessEnv;
+use sluice_gateway::config::{ProcessEnv, WorkerEntry, WorkerKind, WorkerSpec};
 use sluice_gateway::plugins::{Admission, Cache, HostConfig, PluginKind, Router, Runtime, Slot};
 use sluice_gateway::{Config, Gateway};
 
@@ -54,6 +54,14 @@ enum Command {
         /// A worker's base URL (repeatable).
         #[arg(long = "worker")]
         worker_urls: Vec<String>,
+        /// An OpenAI-compatible server to forward to (vLLM, SGLang, ...;
+        /// repeatable); its KV events and ranks are set in the config.
+        #[arg(long = "openai-worker")]
+        openai_urls: Vec<String>,
+        /// The tokenizer OpenAI workers' prompts are routed by (GGUF, Hugging
+        /// Face folder or tokenizer.json) [default: the model's; none: by text]
+        #[arg(long)]
+        tokenizer: Option<PathBuf>,
         /// Folder of plugin components (`router.wasm`, ...), watched for changes.
         #[arg(long)]
         plugins_dir: Option<PathBuf>,
@@ -483,6 +491,8 @@ fn run() -> anyhow::Result<()> {
             model,
             workers,
             worker_urls,
+            openai_urls,
+            tokenizer,
             plugins_dir,
             device,
             prefill,
@@ -497,8 +507,35 @@ fn run() -> anyhow::Result<()> {
             if let Some(listen) = listen {
                 config.listen = listen;
             }
-            config.model = Some(model_path(model.or(config.model.take())));
-            config.workers.extend(worker_urls);
+            config
+                .workers
+                .extend(worker_urls.iter().map(|u| WorkerEntry::from(u.as_str())));
+            config.workers.extend(
+                openai_urls
+                    .iter()
+                    .map(|u| WorkerEntry::Spec(WorkerSpec::openai(u))),
+            );
+            if tokenizer.is_some() {
+                config.tokenizer = tokenizer;
+            }
+            let embedded_asked = workers.unwrap_or(0)
+                + prefill.unwrap_or(0)
+                + decode.unwrap_or(0)
+                + config.embedded_workers
+                + config.embedded_prefill
+                + config.embedded_decode;
+            let forwards_only = embedded_asked == 0
+                && !config.workers.is_empty()
+                && config
+                    .workers
+                    .iter()
+                    .all(|w| w.spec().kind == WorkerKind::Openai);
+            // A gateway in front of OpenAI workers only needs no model.
+            config.model = match model.or(config.model.take()) {
+                Some(m) => Some(model_path(Some(m))),
+                None if forwards_only => None,
+                None => Some(model_path(None)),
+            };
             if let Some(dir) = plugins_dir {
                 config.plugins_dir = Some(dir);
             }

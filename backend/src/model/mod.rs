@@ -100,6 +100,19 @@ pub fn describe(path: &Path) -> Result<ModelInfo, LoadError> {
     })
 }
 
+/// A tokenizer alone: a GGUF file's, a Hugging Face folder's, or a
+/// `tokenizer.json` file's (with the `tokenizer_config.json` beside it).
+pub fn load_tokenizer(path: &Path) -> Result<Tokenizer, LoadError> {
+    if path.is_dir() {
+        return Ok(Tokenizer::from_hf_dir(path)?);
+    }
+    if path.extension().is_some_and(|e| e == "json") {
+        let dir = path.parent().unwrap_or(Path::new("."));
+        return Ok(Tokenizer::from_hf_dir(dir)?);
+    }
+    Ok(Tokenizer::from_gguf(&Gguf::open(path)?)?)
+}
+
 /// A GGUF file's stem without a quantization suffix.
 fn gguf_model_name(path: &Path) -> String {
     let stem = path

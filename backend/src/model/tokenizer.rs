@@ -217,8 +217,19 @@ impl Tokenizer {
     /// Token ids of `text`; control tokens written in the text (`<|im_start|>`)
     /// become their ids. Adds bos when the model asks for it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_with(text, self.add_bos)
+    }
+
+    /// Token ids of `text` without bos, whatever the model asks: for text a
+    /// chat template rendered (it writes its special tokens itself), as
+    /// engines encode it.
+    pub fn encode_without_bos(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_with(text, false)
+    }
+
+    fn encode_with(&self, text: &str, add_bos: bool) -> Result<Vec<u32>, TokenizerError> {
         let mut ids = Vec::with_capacity(text.len() / 3 + 2);
-        if let (true, Some(bos)) = (self.add_bos, self.bos) {
+        if let (true, Some(bos)) = (add_bos, self.bos) {
             ids.push(bos);
         }
         match &self.segments {
@@ -256,6 +267,32 @@ impl Tokenizer {
 
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
+    }
+
+    /// Renders the chat template with messages and tools as a client sent
+    /// them (JSON, every field kept: tool calls, names), as an engine serving
+    /// this model would; used to route requests a gateway forwards unparsed.
+    pub fn apply_chat_template_json(
+        &self,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
+        let env = self
+            .template
+            .as_ref()
+            .map_err(|e| TokenizerError::Template(e.clone()))?;
+        env.get_template("chat")
+            .and_then(|t| {
+                t.render(minijinja::context! {
+                    messages => minijinja::Value::from_serialize(messages),
+                    tools => tools.map(minijinja::Value::from_serialize),
+                    add_generation_prompt => add_generation_prompt,
+                    bos_token => &self.bos_text,
+                    eos_token => &self.eos_text,
+                })
+            })
+            .map_err(|e| TokenizerError::Template(e.to_string()))
     }
 
     /// Renders the chat template with `messages` (and the assistant's opening

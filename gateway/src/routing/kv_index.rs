@@ -93,6 +93,13 @@ impl KvIndex {
         self.by_worker.get(&worker).map_or(0, HashSet::len)
     }
 
+    /// The blocks `worker` holds, in no order.
+    pub fn hashes_of(&self, worker: u32) -> Vec<u64> {
+        self.by_worker
+            .get(&worker)
+            .map_or_else(Vec::new, |own| own.iter().copied().collect())
+    }
+
     /// Every block known, on any worker.
     pub fn len(&self) -> usize {
         self.holders.len()

@@ -2,7 +2,9 @@
 //! `/health`, follows the worker's event stream (`/events`: KV events into the
 //! KV index, load reports into the load view), resyncs from `/internal/kv`
 //! when a sequence number is skipped, and takes the worker out of service when
-//! the stream breaks or falls silent.
+//! the stream breaks or falls silent. OpenAI workers (vLLM, SGLang) have no
+//! such stream: their health is polled, and their KV events, when they
+//! publish them, are followed by `engine_events`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,6 +14,7 @@ use sluice_backend::kv::KvEvent;
 use tokio_stream::StreamExt;
 
 use super::fleet::{Fleet, Origin, Worker};
+use crate::config::WorkerKind;
 
 /// Why following a worker stopped.
 #[derive(Debug, thiserror::Error)]
@@ -40,6 +43,10 @@ struct Snapshot {
 
 /// Starts the monitor of a newly added worker.
 pub fn spawn(fleet: Arc<Fleet>, client: reqwest::Client, worker: Arc<Worker>) {
+    if worker.kind() == WorkerKind::Openai {
+        tokio::spawn(watch_openai(fleet, client, worker));
+        return;
+    }
     tokio::spawn(async move {
         let mut last_error = String::new();
         while !worker.is_removed() {
@@ -64,6 +71,60 @@ pub fn spawn(fleet: Arc<Fleet>, client: reqwest::Client, worker: Arc<Worker>) {
             tokio::time::sleep(Duration::from_millis(fleet.config.reconnect_ms)).await;
         }
     });
+}
+
+/// An OpenAI worker has no event stream: its health is polled (`/health`,
+/// which vLLM and SGLang answer, else `/v1/models`), and its load is what
+/// the gateway has running there. Predictions of workers in approximate
+/// mode expire here too.
+async fn watch_openai(fleet: Arc<Fleet>, client: reqwest::Client, worker: Arc<Worker>) {
+    let timeout = Duration::from_millis(fleet.config.heartbeat_timeout_ms);
+    let every = (timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
+    let mut last_error = String::new();
+    while !worker.is_removed() {
+        match openai_health(&client, &worker, timeout).await {
+            Ok(()) => {
+                last_error.clear();
+                fleet.set_healthy(&worker, true);
+            }
+            Err(e) => {
+                if e != last_error {
+                    tracing::warn!(worker = worker.id, url = %worker.label(), error = %e, "worker unreachable");
+                    last_error = e;
+                }
+                fleet.set_healthy(&worker, false);
+            }
+        }
+        fleet.expire_predictions();
+        tokio::time::sleep(every).await;
+    }
+}
+
+async fn openai_health(
+    client: &reqwest::Client,
+    worker: &Worker,
+    timeout: Duration,
+) -> Result<(), String> {
+    let get = |path: &str| {
+        let mut request = client.get(format!("{}{path}", worker.url)).timeout(timeout);
+        if let Some(key) = &worker.upstream.api_key {
+            request = request.bearer_auth(key);
+        }
+        request.send()
+    };
+    let health = get("/health").await.map_err(|e| e.to_string())?;
+    if health.status().is_success() {
+        return Ok(());
+    }
+    if health.status() != reqwest::StatusCode::NOT_FOUND {
+        return Err(format!("/health answered {}", health.status()));
+    }
+    let models = get("/v1/models").await.map_err(|e| e.to_string())?;
+    if models.status().is_success() {
+        Ok(())
+    } else {
+        Err(format!("/v1/models answered {}", models.status()))
+    }
 }
 
 /// Connects to a worker and follows its events until something breaks.

@@ -14,6 +14,12 @@
 //! prefill worker is then asked to prefill into them; the decode worker's
 //! tokens are relayed as usual. A failed prefill hop excludes that prefill
 //! worker and routes again (with none left, the decode worker prefills).
+//!
+//! A request routed to an OpenAI-compatible worker (`kind = "openai"`) is
+//! forwarded and its answer relayed byte for byte (`passthrough`); the same
+//! retry rule holds: until the first byte reaches the client.
+
+pub mod passthrough;
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -29,14 +35,15 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_stream::StreamExt;
 
 use crate::admission::Ticket;
+use crate::config::WorkerKind;
 use crate::gateway::Gateway;
 use crate::policy::{AdmissionPolicy, Completion, Hop, Outcome, RequestView, RouteDecision};
-use crate::routing::Worker;
 use crate::routing::decision_log::DecisionRecord;
+use crate::routing::{PromptKeys, Worker};
 use crate::telemetry::{RequestOutcome, TraceContext};
 
 /// What the answer's headers say, known once the first token is in.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Head {
     pub worker: u32,
     /// Prompt blocks that were already cached on that worker.
@@ -46,15 +53,32 @@ pub struct Head {
     /// The worker that prefilled the prompt, when it was not `worker`
     /// (disaggregation); `cached_blocks` are then that worker's.
     pub prefill_worker: Option<u32>,
+    /// An OpenAI worker's answer, relayed as it is: its status and content
+    /// type; the body comes through [`Answer::bytes`].
+    pub relayed: Option<Relayed>,
 }
+
+/// The head of an answer relayed from an OpenAI worker.
+#[derive(Clone, Debug)]
+pub struct Relayed {
+    pub status: u16,
+    pub content_type: Option<String>,
+}
+
+/// Body bytes of a relayed answer; an error cuts it short.
+pub type BodyChunk = Result<bytes::Bytes, std::io::Error>;
 
 /// One admitted request on its way to a worker.
 #[derive(Debug)]
 pub struct Job {
-    /// The `/internal/generate` body.
+    /// The `/internal/generate` body (empty when the request cannot go to
+    /// sluice workers: `keys.sluice` is `None`).
     pub body: bytes::Bytes,
+    /// The client's request as OpenAI workers get it, when it may go to one.
+    pub passthrough: Option<passthrough::Passthrough>,
     pub view: RequestView,
-    pub hashes: Vec<u64>,
+    /// The prompt's block hashes, per kind of worker it may go to.
+    pub keys: PromptKeys,
     pub stream: bool,
     pub trace: TraceContext,
     pub arrived: Instant,
@@ -72,6 +96,8 @@ enum Attempt {
     Refused(ApiError),
     /// Failed after the client got the head; the stream ended with an error.
     Broken(RequestOutcome),
+    /// An OpenAI worker's refusal (this status) was relayed to the client.
+    Relayed(u16),
     ClientGone,
 }
 
@@ -81,6 +107,8 @@ enum Attempt {
 pub struct Answer {
     pub head: oneshot::Receiver<Result<Head, ApiError>>,
     pub events: mpsc::UnboundedReceiver<GenerateEvent>,
+    /// A relayed answer's body.
+    pub bytes: mpsc::UnboundedReceiver<BodyChunk>,
 }
 
 /// The relay's ends of the answer's channels.
@@ -88,18 +116,25 @@ pub struct Answer {
 pub struct RelayEnds {
     head: oneshot::Sender<Result<Head, ApiError>>,
     events: mpsc::UnboundedSender<GenerateEvent>,
+    bytes: mpsc::UnboundedSender<BodyChunk>,
 }
 
 /// A connected pair of ends.
 pub fn channels() -> (RelayEnds, Answer) {
     let (head_tx, head) = oneshot::channel();
     let (events_tx, events) = mpsc::unbounded_channel();
+    let (bytes_tx, bytes) = mpsc::unbounded_channel();
     (
         RelayEnds {
             head: head_tx,
             events: events_tx,
+            bytes: bytes_tx,
         },
-        Answer { head, events },
+        Answer {
+            head,
+            events,
+            bytes,
+        },
     )
 }
 
@@ -150,6 +185,7 @@ pub async fn relay(gateway: Arc<Gateway>, job: Job, ends: RelayEnds) {
     let RelayEnds {
         head: head_tx,
         events,
+        bytes,
     } = ends;
     let mut accounting = Accounting {
         gateway: &gateway,
@@ -157,23 +193,23 @@ pub async fn relay(gateway: Arc<Gateway>, job: Job, ends: RelayEnds) {
         arrived: job.arrived,
         done: false,
     };
-    relay_inner(&gateway, &job, head_tx, events, &mut accounting).await;
+    let out = Output {
+        head: Some(head_tx),
+        events,
+        bytes,
+        buffered: Vec::new(),
+        stream: job.stream,
+        last: None,
+    };
+    relay_inner(&gateway, &job, out, &mut accounting).await;
 }
 
 async fn relay_inner(
     gateway: &Gateway,
     job: &Job,
-    head_tx: oneshot::Sender<Result<Head, ApiError>>,
-    events: mpsc::UnboundedSender<GenerateEvent>,
+    mut out: Output,
     accounting: &mut Accounting<'_>,
 ) {
-    let mut out = Output {
-        head: Some(head_tx),
-        events,
-        buffered: Vec::new(),
-        stream: job.stream,
-        last: None,
-    };
     let mut excluded: Vec<u32> = Vec::new();
     let mut usage = Usage::default();
     let outcome = loop {
@@ -202,6 +238,10 @@ async fn relay_inner(
         for hop in std::iter::once(&route.decode).chain(&route.prefill) {
             hop.worker.routed.fetch_add(1, Ordering::Relaxed);
             gateway.metrics.routed(hop.worker.id);
+            // Approximate mode: the gateway's routing is its knowledge.
+            if let Some(hashes) = job.keys.of(hop.worker.kind()) {
+                gateway.fleet.predict(&hop.worker, hashes);
+            }
         }
         let attempt = {
             let block_size = job.view.block_size.max(1);
@@ -218,7 +258,22 @@ async fn relay_inner(
                 job.view.prompt_tokens.div_ceil(block_size),
                 prefill_tokens,
             );
-            attempt(gateway, job, &route, &mut out, &in_flight).await
+            match route.decode.worker.kind() {
+                WorkerKind::Sluice => attempt(gateway, job, &route, &mut out, &in_flight).await,
+                WorkerKind::Openai => {
+                    out.buffered.clear();
+                    passthrough::attempt(
+                        gateway,
+                        job,
+                        &route.decode.worker,
+                        route.decode.cached_blocks,
+                        route.decode.router_version,
+                        &mut out,
+                        &in_flight,
+                    )
+                    .await
+                }
+            }
         };
         match attempt {
             Attempt::Finished(u) => {
@@ -235,6 +290,13 @@ async fn relay_inner(
                 break RequestOutcome::invalid;
             }
             Attempt::Broken(outcome) => break outcome,
+            Attempt::Relayed(status) => {
+                tracing::debug!(
+                    status,
+                    "the worker refused the request; its answer was relayed"
+                );
+                break RequestOutcome::invalid;
+            }
             Attempt::ClientGone => break RequestOutcome::cancelled,
         }
         if Instant::now() >= job.deadline {
@@ -308,7 +370,7 @@ fn route(gateway: &Gateway, job: &Job, excluded: &[u32]) -> Result<Route, NoRout
 /// Asks the router for one hop's worker among the candidates for it.
 fn choose(gateway: &Gateway, job: &Job, hop: Hop, excluded: &[u32]) -> Result<Chosen, NoRoute> {
     let view = RequestView { hop, ..job.view };
-    let candidates = gateway.fleet.candidates(&job.hashes, excluded, hop);
+    let candidates = gateway.fleet.candidates(&job.keys, excluded, hop);
     if candidates.workers.is_empty() {
         return Err(NoRoute::NoWorker);
     }
@@ -425,6 +487,9 @@ impl Drop for InFlight<'_> {
 struct Output {
     head: Option<oneshot::Sender<Result<Head, ApiError>>>,
     events: mpsc::UnboundedSender<GenerateEvent>,
+    /// A relayed answer's body (sent as it comes: nothing is held back
+    /// after the head).
+    bytes: mpsc::UnboundedSender<BodyChunk>,
     buffered: Vec<GenerateEvent>,
     stream: bool,
     last: Option<Last>,
@@ -452,6 +517,16 @@ impl Output {
         self.buffered.drain(..).all(|e| self.events.send(e).is_ok())
     }
 
+    /// Relays body bytes (after the head); false if the client is gone.
+    fn send_bytes(&mut self, bytes: bytes::Bytes) -> bool {
+        self.bytes.send(Ok(bytes)).is_ok()
+    }
+
+    /// Cuts a relayed body short.
+    fn abort_bytes(&mut self, why: &str) {
+        let _ = self.bytes.send(Err(std::io::Error::other(why.to_string())));
+    }
+
     fn send(&mut self, event: GenerateEvent) -> bool {
         if self.started() {
             self.events.send(event).is_ok()
@@ -472,8 +547,10 @@ impl Output {
     /// Sends the last word.
     fn close(mut self) {
         match self.last.take() {
-            Some(Last::Finished(head, event)) if self.open(head) => {
-                let _ = self.events.send(event);
+            Some(Last::Finished(head, event)) => {
+                if self.open(head) {
+                    let _ = self.events.send(event);
+                }
             }
             Some(Last::Failure(error)) => match self.head.take() {
                 Some(tx) => {
@@ -486,7 +563,7 @@ impl Output {
                     });
                 }
             },
-            Some(Last::Finished(..)) | None => {}
+            None => {}
         }
     }
 
@@ -545,6 +622,7 @@ async fn attempt(
         cached_blocks: 0,
         router_version: route.decode.router_version,
         prefill_worker: None,
+        relayed: None,
     };
     let mut body = response.bytes_stream();
     let mut pending: Vec<u8> = Vec::new();
@@ -576,7 +654,7 @@ async fn attempt(
                             head.cached_blocks.min(job.view.prompt_blocks),
                         );
                         // Tokens that came first were held for the head.
-                        if out.stream && last_token.is_some() && !out.open(head) {
+                        if out.stream && last_token.is_some() && !out.open(head.clone()) {
                             return Attempt::ClientGone;
                         }
                     }
@@ -660,7 +738,7 @@ async fn attempt(
                 },
                 GenerateEvent::Token(t) => {
                     let ok = out.send(GenerateEvent::Token(t))
-                        && (!out.stream || prefill_call.is_some() || out.open(head));
+                        && (!out.stream || prefill_call.is_some() || out.open(head.clone()));
                     if !ok {
                         return Attempt::ClientGone;
                     }
