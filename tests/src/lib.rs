@@ -1,8 +1,10 @@
 //! Helpers for sluice's end-to-end tests: where the built plugin components are,
 //! small fleets and requests to call them with, and a real gateway with real
-//! worker processes (`cluster`).
+//! worker processes (`cluster`), and a test engine that speaks OpenAI and
+//! publishes vLLM-format KV events (`openai_engine`).
 
 pub mod cluster;
+pub mod openai_engine;
 
 use std::path::PathBuf;
 

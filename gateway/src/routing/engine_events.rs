@@ -544,7 +544,13 @@ async fn catch_up(
         }
     };
     let Some(&(first, _)) = batches.first() else {
-        // Nothing since `from`: complete if we were.
+        if from == 0 {
+            // The publisher has published nothing since it started (it keeps
+            // its batches from the start): its engine caches nothing.
+            follower.restart();
+            follower.complete = true;
+            follower.reconnected = false;
+        }
         return follower.complete;
     };
     if first == 0 {

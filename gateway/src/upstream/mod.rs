@@ -197,6 +197,7 @@ pub async fn relay(gateway: Arc<Gateway>, job: Job, ends: RelayEnds) {
         head: Some(head_tx),
         events,
         bytes,
+        relaying: false,
         buffered: Vec::new(),
         stream: job.stream,
         last: None,
@@ -490,6 +491,8 @@ struct Output {
     /// A relayed answer's body (sent as it comes: nothing is held back
     /// after the head).
     bytes: mpsc::UnboundedSender<BodyChunk>,
+    /// The answer is a relayed one (its client reads `bytes`).
+    relaying: bool,
     buffered: Vec<GenerateEvent>,
     stream: bool,
     last: Option<Last>,
@@ -515,6 +518,12 @@ impl Output {
             return false;
         }
         self.buffered.drain(..).all(|e| self.events.send(e).is_ok())
+    }
+
+    /// Opens a relayed answer: its body comes as bytes.
+    fn open_relayed(&mut self, head: Head) -> bool {
+        self.relaying = true;
+        self.open(head)
     }
 
     /// Relays body bytes (after the head); false if the client is gone.
@@ -571,6 +580,7 @@ impl Output {
     async fn client_gone(&mut self) {
         match &mut self.head {
             Some(tx) => tx.closed().await,
+            None if self.relaying => self.bytes.closed().await,
             None => self.events.closed().await,
         }
     }

@@ -291,7 +291,7 @@ pub(super) async fn attempt(
             }
             // An empty error answer is an answer.
             Ok(None) => {
-                if !out.open(head) {
+                if !out.open_relayed(head) {
                     return Attempt::ClientGone;
                 }
                 break;
@@ -318,7 +318,7 @@ pub(super) async fn attempt(
                 gateway
                     .metrics
                     .first_token(now.duration_since(job.arrived).as_secs_f64());
-                if !out.open(head.clone()) {
+                if !out.open_relayed(head.clone()) {
                     return Attempt::ClientGone;
                 }
             }
