@@ -257,10 +257,7 @@ fn recordings() -> HashMap<String, Recorded> {
         text.push_str("data: [DONE]\n\n");
         // Uneven chunks, cutting lines and UTF-8 sequences in two.
         let bytes = text.into_bytes();
-        bytes
-            .chunks(37)
-            .map(|c| Bytes::copy_from_slice(c))
-            .collect()
+        bytes.chunks(37).map(Bytes::copy_from_slice).collect()
     };
     let chunk = |delta: Value, finish: Value| {
         json!({"id": "chatcmpl-7f3a", "object": "chat.completion.chunk", "created": 1764460800,

@@ -557,9 +557,7 @@ impl Output {
     fn close(mut self) {
         match self.last.take() {
             Some(Last::Finished(head, event)) => {
-                if self.open(head) {
-                    let _ = self.events.send(event);
-                }
+                let _ = self.open(head) && self.events.send(event).is_ok();
             }
             Some(Last::Failure(error)) => match self.head.take() {
                 Some(tx) => {
