@@ -99,7 +99,9 @@ impl From<&str> for WorkerEntry {
 }
 
 /// What a worker is, and how the gateway learns what it caches.
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq, serde::Serialize)]
+#[derive(
+    Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq, serde::Serialize, clap::ValueEnum,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum WorkerKind {
     /// A sluice worker: token ids in, events out, KV events on `/events`.

@@ -347,9 +347,13 @@ enum Bench {
         /// Measured seconds per target and mode.
         #[arg(long, default_value_t = 5.0)]
         seconds: f64,
-        /// Skip SGLang's gateway.
+        /// Skip the peer gateways (SGLang's and vLLM's routers).
         #[arg(long)]
         no_peer: bool,
+        /// What sluice takes the upstreams for: `sluice` (token ids in) or
+        /// `openai` (bodies forwarded, answers relayed, as the peers do).
+        #[arg(long, value_enum, default_value = "sluice")]
+        upstream_kind: WorkerKind,
     },
     /// Routing quality at fleet scale: multi-turn traces replayed through
     /// each policy (ours, and SGLang's and vLLM's routers when installed) in
@@ -757,6 +761,7 @@ fn run() -> anyhow::Result<()> {
                     rate,
                     seconds,
                     no_peer,
+                    upstream_kind,
                 },
         } => {
             let options = GatewayBenchOptions {
@@ -765,6 +770,7 @@ fn run() -> anyhow::Result<()> {
                 rate,
                 seconds,
                 peer: !no_peer,
+                upstream_kind,
                 ..GatewayBenchOptions::default()
             };
             let summary = run_gateway_bench(&options, |line| println!("{line}"))

@@ -2,9 +2,14 @@
 //! upstream (`super::upstream`, two instances) answers canned tokens; the
 //! same paced load goes to it directly, through `sluice serve` (a child
 //! process, with the kv-aware router plugin loaded), and through SGLang's
-//! model gateway (`sglang-router`, cache-aware policy) when it is installed.
-//! Reported per target and mode: latency percentiles and the gateway
-//! process's CPU time per request (from /proc schedstat, in ns).
+//! model gateway (`sglang-router`) and vLLM's router (`vllm-router`), both
+//! cache-aware, when they are installed. `sluice serve` treats the upstreams
+//! as sluice workers (token ids in) or, with `--upstream-kind openai`, as
+//! plain OpenAI servers (the body forwarded, the answer relayed), as the peers
+//! do. Reported per target and mode: latency percentiles and the gateway
+//! process's CPU time per request (from /proc schedstat, in ns); and, one
+//! kept-alive connection streaming replies back to back, the added latency
+//! per reply (where Nagle's algorithm and delayed ACKs would show).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -28,8 +33,10 @@ pub struct GatewayBenchOptions {
     pub seconds: f64,
     /// Tokens the upstream answers per request.
     pub tokens: u32,
-    /// Run SGLang's gateway too (when `python3 -m sglang_router` works).
+    /// Run the peer gateways too (those installed).
     pub peer: bool,
+    /// What `sluice serve` takes the upstreams for.
+    pub upstream_kind: crate::config::WorkerKind,
 }
 
 impl Default for GatewayBenchOptions {
@@ -41,6 +48,7 @@ impl Default for GatewayBenchOptions {
             seconds: 5.0,
             tokens: 16,
             peer: true,
+            upstream_kind: crate::config::WorkerKind::Sluice,
         }
     }
 }
@@ -184,6 +192,28 @@ async fn run_phase(
     }
 }
 
+/// Replies a kept-alive connection streams back to back.
+const KEEPALIVE_REPLIES: usize = 300;
+
+/// Sends `n` streaming requests one after another on `client` (one
+/// connection); returns each one's time to its last byte, in µs, sorted.
+async fn run_back_to_back(client: &reqwest::Client, url: &str, n: usize) -> Vec<f64> {
+    let mut latencies = Vec::with_capacity(n);
+    for _ in 0..n {
+        let sent = Instant::now();
+        let ok = match client.post(url).json(&request_body(true)).send().await {
+            Ok(r) if r.status().is_success() => r.bytes().await.is_ok(),
+            _ => false,
+        };
+        if !ok {
+            return Vec::new();
+        }
+        latencies.push(sent.elapsed().as_secs_f64() * 1e6);
+    }
+    latencies.sort_by(f64::total_cmp);
+    latencies
+}
+
 /// Starts `sluice serve` on the two upstreams with the kv-aware router plugin.
 fn start_sluice(
     options: &GatewayBenchOptions,
@@ -199,10 +229,27 @@ fn start_sluice(
     let plugins = dir.join("plugins");
     std::fs::create_dir_all(&plugins)?;
     std::fs::write(plugins.join("router.wasm"), bytes)?;
+    let model = options.model.display().to_string();
+    let (model_line, workers) = match options.upstream_kind {
+        crate::config::WorkerKind::Sluice => (
+            format!("model = {model:?}\nserved_model_name = \"bench\""),
+            format!("{upstreams:?}"),
+        ),
+        // As in front of vLLM: no model, its tokenizer for routing.
+        crate::config::WorkerKind::Openai => (
+            format!("tokenizer = {model:?}"),
+            format!(
+                "[{}]",
+                upstreams
+                    .iter()
+                    .map(|u| format!("{{ url = {u:?}, kind = \"openai\" }}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        ),
+    };
     let config = format!(
-        "listen = \"127.0.0.1:{port}\"\nmodel = {model:?}\nserved_model_name = \"bench\"\nworkers = {workers:?}\nplugins_dir = {plugins:?}\nadmin_token = \"bench-admin-token-0123456789\"\n",
-        model = options.model.display().to_string(),
-        workers = upstreams,
+        "listen = \"127.0.0.1:{port}\"\n{model_line}\nworkers = {workers}\nplugins_dir = {plugins:?}\nadmin_token = \"bench-admin-token-0123456789\"\n",
         plugins = plugins.display().to_string(),
     );
     let config_path = dir.join("gateway.toml");
@@ -218,20 +265,36 @@ fn start_sluice(
     Ok(ChildGuard(child))
 }
 
-/// Starts SGLang's gateway, if it is installed.
-fn start_peer(upstreams: &[String], port: u16) -> Option<ChildGuard> {
-    let child = Command::new("python3")
-        .args([
+/// The peer gateways: name, program and arguments before the common ones.
+const PEERS: [(&str, &str, &[&str]); 2] = [
+    (
+        "sglang_router",
+        "python3",
+        &[
             "-m",
             "sglang_router.launch_router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            &port.to_string(),
-        ])
+            "--policy",
+            "cache_aware",
+            "--log-level",
+            "warn",
+        ],
+    ),
+    (
+        "vllm_router",
+        "vllm-router",
+        &["--policy", "cache_aware", "--log-level", "warning"],
+    ),
+];
+
+/// Starts a peer gateway, if it is installed.
+fn start_peer(program: &str, args: &[&str], upstreams: &[String], port: u16) -> Option<ChildGuard> {
+    let child = Command::new(program)
+        .args(args)
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        // Both default their metrics to port 29000: one would not start.
+        .args(["--prometheus-port", &free_port().ok()?.to_string()])
         .arg("--worker-urls")
         .args(upstreams)
-        .args(["--policy", "cache_aware", "--log-level", "warn"])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -266,31 +329,23 @@ pub fn run_gateway_bench(
             ("direct", format!("{}/v1/chat/completions", upstreams[0]), None),
             ("sluice", format!("{sluice_url}/v1/chat/completions"), Some(sluice.0.id())),
         ];
-        let mut peer_note = Value::Null;
-        let peer = if options.peer {
+        let mut notes = Vec::new();
+        let mut peers = Vec::new();
+        for (name, program, args) in PEERS.iter().filter(|_| options.peer) {
             let port = free_port()?;
-            match start_peer(&upstreams, port) {
-                Some(peer) => {
-                    let url = format!("http://127.0.0.1:{port}");
-                    match wait_ready(&client, &format!("{url}/health"), Duration::from_secs(60)).await {
-                        Ok(()) => {
-                            targets.push(("sglang_router", format!("{url}/v1/chat/completions"), Some(peer.0.id())));
-                            Some(peer)
-                        }
-                        Err(e) => {
-                            peer_note = json!(format!("sglang-router did not start: {e}"));
-                            None
-                        }
-                    }
+            let Some(peer) = start_peer(program, args, &upstreams, port) else {
+                notes.push(format!("{name} is not installed"));
+                continue;
+            };
+            let url = format!("http://127.0.0.1:{port}");
+            match wait_ready(&client, &format!("{url}/health"), Duration::from_secs(60)).await {
+                Ok(()) => {
+                    targets.push((name, format!("{url}/v1/chat/completions"), Some(peer.0.id())));
+                    peers.push(peer);
                 }
-                None => {
-                    peer_note = json!("sglang-router is not installed (pip install sglang-router)");
-                    None
-                }
+                Err(e) => notes.push(format!("{name} did not start: {e}")),
             }
-        } else {
-            None
-        };
+        }
         let mut figures: Vec<Figures> = Vec::new();
         for (mode, stream) in [("non_streaming", false), ("streaming", true)] {
             for (name, url, pid) in &targets {
@@ -324,7 +379,22 @@ pub fn run_gateway_bench(
                 });
             }
         }
-        drop(peer);
+        // One kept-alive connection, streaming replies back to back.
+        for (name, url, _) in &targets {
+            let one = reqwest::Client::builder().tcp_nodelay(true).pool_max_idle_per_host(1).build().map_err(|e| std::io::Error::other(e.to_string()))?;
+            // 50 replies of warm-up, then the measured ones.
+            let warm = run_back_to_back(&one, url, 50).await;
+            let latencies = match warm.is_empty() {
+                true => warm,
+                false => run_back_to_back(&one, url, KEEPALIVE_REPLIES).await,
+            };
+            let p50 = percentile(&latencies, 0.5);
+            let p99 = percentile(&latencies, 0.99);
+            line(&json!({"bench": "gateway", "mode": "keepalive_streaming", "target": name,
+                         "requests": latencies.len(), "p50_us": p50, "p99_us": p99}));
+            figures.push(Figures { mode: "keepalive_streaming", target: name, p50, p99, cpu: None, user: None });
+        }
+        drop(peers);
         drop(sluice);
         let _ = std::fs::remove_dir_all(&dir);
         let get = |mode: &str, target: &str| {
@@ -332,25 +402,35 @@ pub fn run_gateway_bench(
                 .iter()
                 .find(|f| f.mode == mode && f.target == target)
         };
-        let mut summary = json!({"bench": "gateway", "summary": true, "rate_per_s": options.rate, "upstream_tokens": options.tokens});
-        for (mode, prefix) in [("non_streaming", ""), ("streaming", "stream_")] {
-            let (Some(direct), Some(ours)) = (get(mode, "direct"), get(mode, "sluice")) else { continue };
-            summary[format!("{prefix}added_p50_us")] = json!(ours.p50 - direct.p50);
-            summary[format!("{prefix}added_p99_us")] = json!(ours.p99 - direct.p99);
-            summary[format!("{prefix}cpu_us_per_req")] = json!(ours.cpu);
-            summary[format!("{prefix}user_us_per_req")] = json!(ours.user);
-            if let Some(peer) = get(mode, "sglang_router") {
-                summary[format!("{prefix}peer_added_p50_us")] = json!(peer.p50 - direct.p50);
-                summary[format!("{prefix}peer_added_p99_us")] = json!(peer.p99 - direct.p99);
-                summary[format!("{prefix}peer_cpu_us_per_req")] = json!(peer.cpu);
-                summary[format!("{prefix}peer_user_us_per_req")] = json!(peer.user);
-                if let (Some(a), Some(b)) = (ours.cpu, peer.cpu) {
-                    summary[format!("{prefix}cpu_ratio_vs_peer")] = json!(a / b);
+        let kind = match options.upstream_kind {
+            crate::config::WorkerKind::Sluice => "sluice",
+            crate::config::WorkerKind::Openai => "openai",
+        };
+        let mut summary = json!({"bench": "gateway", "summary": true, "rate_per_s": options.rate, "upstream_tokens": options.tokens, "upstream_kind": kind});
+        let modes = [("non_streaming", ""), ("streaming", "stream_"), ("keepalive_streaming", "keepalive_")];
+        for (mode, prefix) in modes {
+            let Some(direct) = get(mode, "direct") else { continue };
+            for (target, name) in std::iter::once(("sluice", "")).chain(PEERS.iter().map(|(p, _, _)| (*p, *p))) {
+                let Some(f) = get(mode, target) else { continue };
+                let key = |what: &str| match name {
+                    "" => format!("{prefix}{what}"),
+                    peer => format!("{prefix}{peer}_{what}"),
+                };
+                summary[key("added_p50_us")] = json!(f.p50 - direct.p50);
+                summary[key("added_p99_us")] = json!(f.p99 - direct.p99);
+                if f.cpu.is_some() {
+                    summary[key("cpu_us_per_req")] = json!(f.cpu);
+                    summary[key("user_us_per_req")] = json!(f.user);
+                }
+                if let (Some(ours), false) = (get(mode, "sluice"), name.is_empty())
+                    && let (Some(a), Some(b)) = (ours.cpu, f.cpu)
+                {
+                    summary[format!("{prefix}cpu_ratio_vs_{name}")] = json!(a / b);
                 }
             }
         }
-        if !peer_note.is_null() {
-            summary["peer"] = peer_note;
+        if !notes.is_empty() {
+            summary["peers"] = json!(notes);
         }
         Ok(summary)
     })

@@ -219,7 +219,10 @@ pub async fn serve(
         .route("/v1/chat/completions", post(chat))
         .route("/events", get(events))
         .route("/internal/kv", get(snapshot))
-        .route("/health", get(|| async { "ok" }))
+        .route(
+            "/health",
+            get(|| async { axum::Json(json!({"status": "ok"})) }),
+        )
         .route("/health_generate", get(|| async { "ok" }))
         .route("/get_server_info", get(info.clone()))
         .route("/get_model_info", get(info))

@@ -144,10 +144,11 @@ async fn follow(
     }
     // Its role in a disaggregated fleet (workers before roles said none:
     // they do both).
-    let health: serde_json::Value = tokio::time::timeout(timeout, health.json())
+    // (A body that is not JSON names no role either.)
+    let health: serde_json::Value = tokio::time::timeout(timeout, health.bytes())
         .await
         .map_err(|_| FollowError::Silent(timeout))?
-        .map_err(|e| FollowError::BadEvent(format!("bad /health answer: {e}")))?;
+        .map(|body| serde_json::from_slice(&body).unwrap_or_default())?;
     let role = match health.get("role") {
         None => sluice_backend::transfer::Role::Both,
         Some(r) => serde_json::from_value(r.clone())
