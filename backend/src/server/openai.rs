@@ -538,13 +538,32 @@ impl Frontend {
                 if done {
                     return None;
                 }
+                // Events already here go out in one chunk (one write, one
+                // wake-up of the client), not one each.
+                let mut text = String::new();
                 loop {
-                    let Some(event) = events.recv().await else {
-                        // The generation ended without a last event.
-                        let error =
-                            ApiError::unavailable("the generation stopped before it finished");
-                        let text = format!("data: {}\n\ndata: [DONE]\n\n", error.body());
-                        return Some((Ok::<_, Infallible>(text), (writer, events, on_usage, true)));
+                    let event = match events.try_recv() {
+                        Ok(e) => e,
+                        Err(_) if !text.is_empty() => {
+                            return Some((
+                                Ok::<_, Infallible>(text),
+                                (writer, events, on_usage, false),
+                            ));
+                        }
+                        Err(_) => match events.recv().await {
+                            Some(e) => e,
+                            None => {
+                                // The generation ended without a last event.
+                                let error = ApiError::unavailable(
+                                    "the generation stopped before it finished",
+                                );
+                                text.push_str(&format!(
+                                    "data: {}\n\ndata: [DONE]\n\n",
+                                    error.body()
+                                ));
+                                return Some((Ok(text), (writer, events, on_usage, true)));
+                            }
+                        },
                     };
                     let finished = matches!(
                         event,
@@ -555,9 +574,9 @@ impl Frontend {
                     {
                         f(usage);
                     }
-                    let text = writer.sse(event);
-                    if !text.is_empty() || finished {
-                        return Some((Ok(text), (writer, events, on_usage, finished)));
+                    text.push_str(&writer.sse(event));
+                    if finished {
+                        return Some((Ok(text), (writer, events, on_usage, true)));
                     }
                 }
             },

@@ -383,14 +383,21 @@ impl UsageScan {
             }
             return;
         }
-        for &b in bytes {
-            if b == b'\n' {
-                self.line();
-                self.pending.clear();
-            } else if self.pending.len() < MAX_SCAN {
-                self.pending.push(b);
-            }
+        let mut rest = bytes;
+        while let Some(end) = rest.iter().position(|&b| b == b'\n') {
+            self.keep(&rest[..end]);
+            self.line();
+            self.pending.clear();
+            rest = &rest[end + 1..];
         }
+        self.keep(rest);
+    }
+
+    /// Adds to the current line, up to `MAX_SCAN` bytes.
+    fn keep(&mut self, bytes: &[u8]) {
+        let room = MAX_SCAN.saturating_sub(self.pending.len());
+        self.pending
+            .extend_from_slice(&bytes[..bytes.len().min(room)]);
     }
 
     fn line(&mut self) {
