@@ -278,21 +278,11 @@ impl Tokenizer {
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String, TokenizerError> {
-        let env = self
-            .template
-            .as_ref()
-            .map_err(|e| TokenizerError::Template(e.clone()))?;
-        env.get_template("chat")
-            .and_then(|t| {
-                t.render(minijinja::context! {
-                    messages => minijinja::Value::from_serialize(messages),
-                    tools => tools.map(minijinja::Value::from_serialize),
-                    add_generation_prompt => add_generation_prompt,
-                    bos_token => &self.bos_text,
-                    eos_token => &self.eos_text,
-                })
-            })
-            .map_err(|e| TokenizerError::Template(e.to_string()))
+        self.render_chat(
+            minijinja::Value::from_serialize(messages),
+            tools.map(minijinja::Value::from_serialize),
+            add_generation_prompt,
+        )
     }
 
     /// Renders the chat template with `messages` (and the assistant's opening
@@ -300,6 +290,19 @@ impl Tokenizer {
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
+        self.render_chat(
+            minijinja::Value::from_serialize(messages),
+            None,
+            add_generation_prompt,
+        )
+    }
+
+    fn render_chat(
+        &self,
+        messages: minijinja::Value,
+        tools: Option<minijinja::Value>,
         add_generation_prompt: bool,
     ) -> Result<String, TokenizerError> {
         let env = self
@@ -310,6 +313,8 @@ impl Tokenizer {
             .and_then(|t| {
                 t.render(minijinja::context! {
                     messages => messages,
+                    // No tools: undefined, as for a template never given any.
+                    tools => tools.unwrap_or(minijinja::Value::UNDEFINED),
                     add_generation_prompt => add_generation_prompt,
                     bos_token => &self.bos_text,
                     eos_token => &self.eos_text,
