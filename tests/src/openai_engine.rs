@@ -83,6 +83,9 @@ struct Publisher {
     rank: u32,
     /// Stops the replay socket's task.
     replay_stop: Option<tokio::sync::oneshot::Sender<()>>,
+    /// Batches still to keep off the live socket (they stay replayable): a
+    /// subscriber sees a gap.
+    drop_live: u32,
 }
 
 /// The ends of an open publisher's sockets.
@@ -114,6 +117,7 @@ impl OpenAiEngine {
                 replay_port,
                 rank,
                 replay_stop: Some(stop),
+                drop_live: 0,
             };
             rank_states.push(Rank {
                 cached: Mutex::new(HashSet::new()),
@@ -170,6 +174,14 @@ impl OpenAiEngine {
             let mut p = rank.publisher.lock().unwrap();
             p.live = Some(live);
             p.replay_stop = Some(stop);
+        }
+    }
+
+    /// The next `n` batches of every rank are not sent live (as a slow
+    /// subscriber loses them), only kept for replay.
+    pub fn lose_batches(&self, n: u32) {
+        for rank in &self.state.ranks {
+            rank.publisher.lock().unwrap().drop_live = n;
         }
     }
 
@@ -299,7 +311,9 @@ impl Publisher {
         let seq = self.next_seq;
         self.next_seq += 1;
         self.sent.lock().unwrap().push((seq, payload.clone()));
-        if let Some(live) = &self.live {
+        if self.drop_live > 0 {
+            self.drop_live -= 1;
+        } else if let Some(live) = &self.live {
             let _ = live.send((seq, payload));
         }
     }

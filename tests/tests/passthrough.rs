@@ -165,6 +165,45 @@ async fn routing_follows_the_engines_kv_events_falls_back_and_resyncs() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_in_sequence_numbers_is_replayed_or_else_approximate() {
+    let tok = tokenizer();
+    let replayed = OpenAiEngine::start(tok.clone(), 16, 1, HashMap::new()).await;
+    let unreplayed = OpenAiEngine::start(tok.clone(), 16, 1, HashMap::new()).await;
+    let mut no_replay = WorkerSpec::openai(&unreplayed.url);
+    no_replay.kv_events = Some(unreplayed.kv_events.clone());
+    let cluster = gateway(
+        vec![entry(&replayed, true, 1), WorkerEntry::Spec(no_replay)],
+        2,
+    )
+    .await;
+    let (with, without) = (ids(&cluster).await[0], ids(&cluster).await[1]);
+    // Without a replay socket, what an engine published before is unknown
+    // until its batch 0 is heard.
+    assert_eq!(
+        worker_field(&cluster, without, "kv_mode").await,
+        "approximate"
+    );
+    for engine in [&replayed, &unreplayed] {
+        post_direct(&engine.url, &conversation("harbour", "Hi"), None).await;
+    }
+    wait_mode(&cluster, with, "events").await;
+    wait_mode(&cluster, without, "events").await;
+    for engine in [&replayed, &unreplayed] {
+        // One batch is lost on the way; the next one shows the gap.
+        engine.lose_batches(1);
+        post_direct(&engine.url, &conversation("city museum", "Hi"), None).await;
+        post_direct(&engine.url, &conversation("city zoo", "Hi"), None).await;
+    }
+    // Replayed: the lost museum blocks are in the index, still exact.
+    cluster.wait_cached_blocks(with, 12).await;
+    assert_eq!(worker_field(&cluster, with, "kv_mode").await, "events");
+    let (worker, _) = routed(&cluster, &conversation("city museum", "Is it free?")).await;
+    assert_eq!(worker, with, "the replayed batch put the museum there");
+    // No replay socket: the history has a hole, the worker is approximate.
+    wait_mode(&cluster, without, "approximate").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn approximate_mode_sends_each_session_back_where_it_went() {
     let tok = tokenizer();
     let a = OpenAiEngine::start(tok.clone(), 16, 1, HashMap::new()).await;
