@@ -4,7 +4,8 @@
 //! block hashes of its own scheme, a ROUTER replay socket), one publisher
 //! per data-parallel rank at the base port plus the rank. It caches every
 //! full block of every prompt it serves (per rank, selected by the
-//! `X-data-parallel-rank` header) and answers with canned text, or, for a
+//! `X-data-parallel-rank` header; SGLang's event encoding on request) and
+//! answers with canned text, or, for a
 //! request whose `model` names a recorded answer, with those bytes exactly.
 //! Its publisher can be killed and restored while it keeps serving (the
 //! batches published meanwhile are kept for replay, as vLLM's buffer does).
@@ -54,6 +55,9 @@ struct EngineState {
     recorded: HashMap<String, Recorded>,
     /// How long a canned answer takes, in milliseconds.
     delay_ms: std::sync::atomic::AtomicU64,
+    /// Events as SGLang writes them (arrays with the tag first, i64 hashes)
+    /// instead of vLLM's maps.
+    sglang: std::sync::atomic::AtomicBool,
 }
 
 /// A recorded answer: its content type and the chunks it arrives in.
@@ -131,6 +135,7 @@ impl OpenAiEngine {
             served: Mutex::new(Vec::new()),
             recorded,
             delay_ms: std::sync::atomic::AtomicU64::new(0),
+            sglang: std::sync::atomic::AtomicBool::new(false),
         });
         let app = Router::new()
             .route("/v1/chat/completions", post(chat))
@@ -189,11 +194,16 @@ impl OpenAiEngine {
     pub fn clear_cache(&self) {
         for rank in &self.state.ranks {
             rank.cached.lock().unwrap().clear();
-            rank.publisher
-                .lock()
-                .unwrap()
-                .publish(vec![event_map("AllBlocksCleared", vec![])]);
+            let event = self.state.event("AllBlocksCleared", vec![]);
+            rank.publisher.lock().unwrap().publish(vec![event]);
         }
+    }
+
+    /// From now on, events are written as SGLang writes them.
+    pub fn publish_as_sglang(&self) {
+        self.state
+            .sglang
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Canned answers take `delay` from now on.
@@ -332,12 +342,6 @@ async fn bind_retrying<S: Socket>(socket: &mut S, port: u16) {
     panic!("cannot bind {endpoint}");
 }
 
-fn event_map(kind: &str, fields: Vec<(&str, Msgpack)>) -> Msgpack {
-    let mut map = vec![(Msgpack::from("type"), Msgpack::from(kind))];
-    map.extend(fields.into_iter().map(|(k, v)| (Msgpack::from(k), v)));
-    Msgpack::Map(map)
-}
-
 /// The engine's own block hash (not the gateway's scheme, as vLLM's is
 /// not): FNV-1a over the parent hash and the tokens.
 fn engine_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
@@ -355,6 +359,36 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 }
 
 impl EngineState {
+    fn sglang(&self) -> bool {
+        self.sglang.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// One event: vLLM's map with a `type`, or SGLang's array with the tag
+    /// first and the fields in order (it has no `lora_name`).
+    fn event(&self, kind: &str, fields: Vec<(&str, Msgpack)>) -> Msgpack {
+        if self.sglang() {
+            let mut items = vec![Msgpack::from(kind)];
+            items.extend(
+                fields
+                    .into_iter()
+                    .filter(|(k, _)| *k != "lora_name")
+                    .map(|(_, v)| v),
+            );
+            return Msgpack::Array(items);
+        }
+        let mut map = vec![(Msgpack::from("type"), Msgpack::from(kind))];
+        map.extend(fields.into_iter().map(|(k, v)| (Msgpack::from(k), v)));
+        Msgpack::Map(map)
+    }
+
+    /// A block hash as the engine writes it: u64 (vLLM) or i64 (SGLang).
+    fn hash_value(&self, hash: u64) -> Msgpack {
+        match self.sglang() {
+            true => Msgpack::from(hash as i64),
+            false => Msgpack::from(hash),
+        }
+    }
+
     async fn pause(&self) {
         let ms = self.delay_ms.load(std::sync::atomic::Ordering::Relaxed);
         if ms > 0 {
@@ -379,7 +413,7 @@ impl EngineState {
                 if new_hashes.is_empty() {
                     new_parent = parent;
                 }
-                new_hashes.push(Msgpack::from(hash));
+                new_hashes.push(self.hash_value(hash));
                 new_tokens.extend(block.iter().map(|&t| Msgpack::from(t)));
             }
             parent = Some(hash);
@@ -387,13 +421,13 @@ impl EngineState {
         if new_hashes.is_empty() {
             return;
         }
-        let event = event_map(
+        let event = self.event(
             "BlockStored",
             vec![
                 ("block_hashes", Msgpack::Array(new_hashes)),
                 (
                     "parent_block_hash",
-                    new_parent.map_or(Msgpack::Nil, Msgpack::from),
+                    new_parent.map_or(Msgpack::Nil, |p| self.hash_value(p)),
                 ),
                 ("token_ids", Msgpack::Array(new_tokens)),
                 ("block_size", Msgpack::from(self.block_size as u64)),

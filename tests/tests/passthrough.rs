@@ -152,6 +152,16 @@ async fn routing_follows_the_engines_kv_events_falls_back_and_resyncs() {
     let (worker, cached) = routed(&cluster, &conversation("city aquarium", "Is it free?")).await;
     assert_eq!(worker, id_b, "the replayed events put the aquarium on B");
     assert!(cached >= 3, "{cached} cached blocks");
+    // SGLang's encoding (arrays, i64 hashes) is read alike.
+    a.publish_as_sglang();
+    let held = worker_field(&cluster, id_a, "cached_blocks").await;
+    post_direct(&a.url, &conversation("city library", "Hi"), None).await;
+    cluster
+        .wait_cached_blocks(id_a, held.as_u64().unwrap() + 3)
+        .await;
+    let (worker, cached) = routed(&cluster, &conversation("city library", "Is it free?")).await;
+    assert_eq!(worker, id_a, "SGLang-format events put the library on A");
+    assert!(cached >= 3, "{cached} cached blocks");
     // A cleared cache is cleared in the index too.
     a.clear_cache();
     let started = Instant::now();
@@ -205,10 +215,27 @@ async fn a_gap_in_sequence_numbers_is_replayed_or_else_approximate() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn approximate_mode_sends_each_session_back_where_it_went() {
+    sessions_return_in_approximate_mode(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_tokenizer_sessions_are_routed_by_their_text() {
+    sessions_return_in_approximate_mode(false).await;
+}
+
+/// Two engines with no KV events; the gateway routes with the tokenizer or
+/// (without) by blocks of the prompt's characters.
+async fn sessions_return_in_approximate_mode(with_tokenizer: bool) {
     let tok = tokenizer();
     let a = OpenAiEngine::start(tok.clone(), 16, 1, HashMap::new()).await;
     let b = OpenAiEngine::start(tok.clone(), 16, 1, HashMap::new()).await;
-    let cluster = gateway(vec![entry(&a, false, 1), entry(&b, false, 1)], 2).await;
+    let cluster = Cluster::start(0, |c| {
+        c.model = None;
+        c.tokenizer = with_tokenizer.then(model_path);
+        c.workers = vec![entry(&a, false, 1), entry(&b, false, 1)];
+    })
+    .await;
+    cluster.wait_for_workers(2).await;
     for id in ids(&cluster).await {
         assert_eq!(worker_field(&cluster, id, "kv_mode").await, "approximate");
     }
@@ -245,6 +272,44 @@ async fn approximate_mode_sends_each_session_back_where_it_went() {
         );
         assert!(cached >= 3, "{topic}: {cached} predicted blocks");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sluice_and_openai_workers_serve_side_by_side() {
+    let engine = OpenAiEngine::start(tokenizer(), 16, 1, HashMap::new()).await;
+    // The gateway serves SmolLM2 (its own worker process registers) and
+    // forwards to the OpenAI engine too.
+    let mut cluster = Cluster::start(0, |c| c.workers = vec![entry(&engine, true, 1)]).await;
+    cluster.add_worker();
+    cluster.wait_for_workers(2).await;
+    engine.set_delay(Duration::from_millis(1_500));
+    let topics = ["harbour", "library", "stadium", "theatre"];
+    let first_turns = topics.map(|topic| {
+        let mut body = conversation(topic, "When do you open?");
+        // Both kinds take it: no model name that only one of them serves.
+        body.as_object_mut().unwrap().remove("model");
+        let cluster = &cluster;
+        async move {
+            let (status, headers, answer) = cluster.post("/v1/chat/completions", &body).await;
+            assert_eq!(status, 200, "{answer}");
+            assert!(
+                answer["choices"][0]["message"]["content"].is_string(),
+                "{answer}"
+            );
+            headers["x-sluice-worker"]
+                .to_str()
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+        }
+    });
+    let served = futures_util::future::join_all(first_turns).await;
+    let ids = ids(&cluster).await;
+    assert!(
+        ids.iter().all(|id| served.contains(id)),
+        "both kinds of worker served: {served:?} of {ids:?}"
+    );
+    engine.set_delay(Duration::ZERO);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
