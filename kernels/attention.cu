@@ -170,10 +170,15 @@ __device__ __forceinline__ void attention_tile_loop(
 // per lane: a lane reads its key's whole K row (16-byte loads) and scores it
 // against the group's query heads (from shared memory), the tile's softmax is
 // two warp reductions per head, then the lanes switch roles for P.V: lane l
-// owns dims [l * D, (l + 1) * D) of every head and walks the tile's V rows
-// (coalesced), taking each key's probability by shuffle. No barriers inside
+// owns dims [l * D, (l + 1) * D) of every head, loads them from all the
+// tile's V rows at once (coalesced) and walks them, taking each key's
+// probability by shuffle. No barriers inside
 // the loop; the block's 4 warps are merged through shared memory at the end.
 // G: query heads per KV head, at most.
+// A lane's dims of one V row, raw: 2 BF16 (one word) or 4 (two).
+template <int D> struct VWordOf { using T = u32; };
+template <> struct VWordOf<4> { using T = uint2; };
+
 template <int HD, int G>
 __device__ __forceinline__ void attention_decode_tiles(ATTN_ARGS) {
     constexpr int D = HD / 32;  // 2 or 4 output dims a lane
@@ -247,35 +252,35 @@ __device__ __forceinline__ void attention_decode_tiles(ATTN_ARGS) {
 #pragma unroll
             for (int d = 0; d < D; d++) acc[g][d] *= corr;
         }
-        // P.V: walk the tile's keys, 8 V rows loaded before any is used; this
-        // lane adds its dims of each row.
+        // P.V: the tile's V rows, all loaded (raw BF16, this lane's dims of
+        // each) before any is used, so one memory latency a tile instead of
+        // one per few rows; then this lane adds its dims of each row, taking
+        // the key's weight by shuffle.
         const int n_keys = min(32, k_end - k0);
-        for (int j0 = 0; j0 < n_keys; j0 += 8) {
-            float v[8][D];
+        using VWord = typename VWordOf<D>::T;
+        VWord vraw[32];
 #pragma unroll
-            for (int u = 0; u < 8; u++) {
-                const u64 vrow = __shfl_sync(0xffffffffu, row, j0 + u);
-                if (j0 + u < n_keys) {
-                    if constexpr (D == 4) {
-                        const uint2 vw = *(const uint2*)(v_cache + vrow + lane * 4);
-                        v[u][0] = bf16_lo(vw.x); v[u][1] = bf16_hi(vw.x); v[u][2] = bf16_lo(vw.y); v[u][3] = bf16_hi(vw.y);
-                    } else {
-                        const u32 vw = *(const u32*)(v_cache + vrow + lane * 2);
-                        v[u][0] = bf16_lo(vw); v[u][1] = bf16_hi(vw);
-                    }
-                } else {
+        for (int u = 0; u < 32; u++) {
+            const u64 vrow = __shfl_sync(0xffffffffu, row, u);
+            if (u < n_keys) {
+                vraw[u] = *(const VWord*)(v_cache + vrow + lane * D);
+            } else {
+                vraw[u] = VWord{};
+            }
+        }
 #pragma unroll
-                    for (int d = 0; d < D; d++) v[u][d] = 0.0f;
-                }
+        for (int u = 0; u < 32; u++) {
+            float v[D];
+            if constexpr (D == 4) {
+                v[0] = bf16_lo(vraw[u].x); v[1] = bf16_hi(vraw[u].x); v[2] = bf16_lo(vraw[u].y); v[3] = bf16_hi(vraw[u].y);
+            } else {
+                v[0] = bf16_lo(vraw[u]); v[1] = bf16_hi(vraw[u]);
             }
 #pragma unroll
-            for (int u = 0; u < 8; u++) {
+            for (int g = 0; g < G; g++) {
+                const float pj = __shfl_sync(0xffffffffu, p[g], u);
 #pragma unroll
-                for (int g = 0; g < G; g++) {
-                    const float pj = __shfl_sync(0xffffffffu, p[g], j0 + u);
-#pragma unroll
-                    for (int d = 0; d < D; d++) acc[g][d] = fmaf(pj, v[u][d], acc[g][d]);
-                }
+                for (int d = 0; d < D; d++) acc[g][d] = fmaf(pj, v[d], acc[g][d]);
             }
         }
     }
