@@ -320,6 +320,7 @@ impl Gateway {
                 kind: WorkerKind::Openai,
                 dp_rank: (spec.dp_ranks > 1).then_some(rank),
                 api_key: spec.api_key.clone(),
+                kv_events: spec.kv_events.is_some(),
             };
             let (worker, new) = self.fleet.add_upstream(&spec.url, Origin::Static, upstream);
             if !new {

@@ -38,6 +38,8 @@ pub struct Upstream {
     pub dp_rank: Option<u32>,
     /// Sent as a bearer token.
     pub api_key: Option<String>,
+    /// Its engine's KV events feed the index (`engine_events`).
+    pub kv_events: bool,
 }
 
 /// One worker as the gateway sees it.
@@ -302,14 +304,18 @@ impl Fleet {
         self.workers.load_full()
     }
 
-    /// Marks a worker in or out of service; taking it out forgets its blocks.
+    /// Marks a worker in or out of service; taking it out forgets its
+    /// blocks, except those its engine's KV events keep (a failed health
+    /// check does not empty a cache; a restarted engine's publisher says so).
     pub fn set_healthy(&self, worker: &Worker, healthy: bool) {
         let was = worker.healthy.swap(healthy, Ordering::AcqRel);
         if was != healthy {
             if healthy {
                 tracing::info!(worker = worker.id, url = %worker.label(), "worker in service");
             } else {
-                self.forget_blocks(worker.id);
+                if !worker.upstream.kv_events {
+                    self.forget_blocks(worker.id);
+                }
                 tracing::warn!(worker = worker.id, url = %worker.label(), "worker out of service");
             }
         }
@@ -607,6 +613,7 @@ mod tests {
             kind: WorkerKind::Openai,
             dp_rank: Some(rank),
             api_key: None,
+            kv_events: rank == 0,
         };
         let (r0, new0) = fleet.add_upstream("http://v:1", Origin::Static, openai(0));
         let (r1, new1) = fleet.add_upstream("http://v:1", Origin::Static, openai(1));
@@ -662,6 +669,21 @@ mod tests {
                 .view
                 .overlap_blocks(),
             [0, 0, 0]
+        );
+        // Out of service and back: what the events said stays (rank 0 has
+        // events); predictions do not (rank 1 has none).
+        fleet.set_exact(&r0, Some(&[5, 6]));
+        fleet.predict(&r1, &[5]);
+        for w in [&r0, &r1] {
+            fleet.set_healthy(w, false);
+            fleet.set_healthy(w, true);
+        }
+        assert_eq!(
+            fleet
+                .candidates(&both, &[], Hop::Aggregated)
+                .view
+                .overlap_blocks(),
+            [0, 2, 0]
         );
     }
 }
