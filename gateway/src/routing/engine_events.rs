@@ -479,7 +479,6 @@ async fn follow(
                 if worker.is_removed() {
                     return Ok(());
                 }
-                fleet.expire_predictions();
             }
         }
     }

@@ -353,15 +353,19 @@ impl Fleet {
         index.remove(worker.id, &gone);
     }
 
-    /// Drops expired predictions of every worker.
-    pub fn expire_predictions(&self) {
-        let now = Instant::now();
+    /// Drops a worker's expired predictions (its monitor calls this).
+    pub fn expire_predictions(&self, worker: u32) {
         let mut predicted = self.predicted();
-        for (&worker, p) in predicted.iter_mut() {
-            let gone = p.expire(now, self.approximate.ttl, self.approximate.max_blocks);
-            if !gone.is_empty() {
-                self.index_mut().remove(worker, &gone);
-            }
+        let Some(p) = predicted.get_mut(&worker) else {
+            return;
+        };
+        let gone = p.expire(
+            Instant::now(),
+            self.approximate.ttl,
+            self.approximate.max_blocks,
+        );
+        if !gone.is_empty() {
+            self.index_mut().remove(worker, &gone);
         }
     }
 
@@ -638,7 +642,9 @@ mod tests {
         let got = fleet.candidates(&only_openai, &[], Hop::Aggregated);
         assert_eq!(got.view.worker_ids(), [r0.id, r1.id]);
         std::thread::sleep(std::time::Duration::from_millis(60));
-        fleet.expire_predictions();
+        for w in [&r0, &r1] {
+            fleet.expire_predictions(w.id);
+        }
         let got = fleet.candidates(&both, &[], Hop::Aggregated);
         assert_eq!(got.view.overlap_blocks(), [0, 0, 0], "predictions expired");
         // Events heard: exact, the index holds what they said; lost again:
@@ -662,7 +668,9 @@ mod tests {
             [0, 1, 0]
         );
         std::thread::sleep(std::time::Duration::from_millis(60));
-        fleet.expire_predictions();
+        for w in [&r0, &r1] {
+            fleet.expire_predictions(w.id);
+        }
         assert_eq!(
             fleet
                 .candidates(&both, &[], Hop::Aggregated)

@@ -75,8 +75,8 @@ pub fn spawn(fleet: Arc<Fleet>, client: reqwest::Client, worker: Arc<Worker>) {
 
 /// An OpenAI worker has no event stream: its health is polled (`/health`,
 /// which vLLM and SGLang answer, else `/v1/models`), and its load is what
-/// the gateway has running there. Predictions of workers in approximate
-/// mode expire here too.
+/// the gateway has running there. Its predictions (approximate mode)
+/// expire here too.
 async fn watch_openai(fleet: Arc<Fleet>, client: reqwest::Client, worker: Arc<Worker>) {
     let timeout = Duration::from_millis(fleet.config.heartbeat_timeout_ms);
     let every = (timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
@@ -95,7 +95,7 @@ async fn watch_openai(fleet: Arc<Fleet>, client: reqwest::Client, worker: Arc<Wo
                 fleet.set_healthy(&worker, false);
             }
         }
-        fleet.expire_predictions();
+        fleet.expire_predictions(worker.id);
         tokio::time::sleep(every).await;
     }
 }
