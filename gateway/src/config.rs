@@ -371,6 +371,17 @@ impl Config {
             .any(|w| w.spec().kind == WorkerKind::Openai)
     }
 
+    /// Whether the gateway only forwards: no in-process worker, and every
+    /// configured worker an OpenAI one (such a gateway needs no model).
+    pub fn forwards_only(&self) -> bool {
+        self.embedded_workers + self.embedded_prefill + self.embedded_decode == 0
+            && !self.workers.is_empty()
+            && self
+                .workers
+                .iter()
+                .all(|w| w.spec().kind == WorkerKind::Openai)
+    }
+
     pub fn from_file(path: &std::path::Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.display().to_string(),

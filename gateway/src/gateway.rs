@@ -146,14 +146,7 @@ impl Gateway {
                 (Some(frontend), embedded)
             }
             None => {
-                let only_openai =
-                    config.embedded_workers + config.embedded_prefill + config.embedded_decode == 0
-                        && !config.workers.is_empty()
-                        && config
-                            .workers
-                            .iter()
-                            .all(|w| w.spec().kind == WorkerKind::Openai);
-                if !only_openai {
+                if !config.forwards_only() {
                     return Err(StartError::NoModel);
                 }
                 (None, Vec::new())

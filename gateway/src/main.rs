@@ -522,24 +522,6 @@ fn run() -> anyhow::Result<()> {
             if tokenizer.is_some() {
                 config.tokenizer = tokenizer;
             }
-            let embedded_asked = workers.unwrap_or(0)
-                + prefill.unwrap_or(0)
-                + decode.unwrap_or(0)
-                + config.embedded_workers
-                + config.embedded_prefill
-                + config.embedded_decode;
-            let forwards_only = embedded_asked == 0
-                && !config.workers.is_empty()
-                && config
-                    .workers
-                    .iter()
-                    .all(|w| w.spec().kind == WorkerKind::Openai);
-            // A gateway in front of OpenAI workers only needs no model.
-            config.model = match model.or(config.model.take()) {
-                Some(m) => Some(model_path(Some(m))),
-                None if forwards_only => None,
-                None => Some(model_path(None)),
-            };
             if let Some(dir) = plugins_dir {
                 config.plugins_dir = Some(dir);
             }
@@ -564,6 +546,12 @@ fn run() -> anyhow::Result<()> {
                 }
                 None => {}
             }
+            // A gateway in front of OpenAI workers only needs no model.
+            config.model = match model.or(config.model.take()) {
+                Some(m) => Some(model_path(Some(m))),
+                None if config.forwards_only() => None,
+                None => Some(model_path(None)),
+            };
             config.apply_env(&ProcessEnv)?;
             tokio::runtime::Runtime::new()?.block_on(async {
                 let running = Gateway::start(config)

@@ -415,11 +415,10 @@ async fn follow(
         .await
         .map_err(|e| format!("cannot subscribe: {e}"))?;
     tracing::info!(worker = worker.id, endpoint = %publisher.events, "following KV events");
-    // Whatever was published before the subscription took is asked for.
+    // Whatever was published before the subscription took is asked for
+    // when the socket reports the connection (`SocketEvent::Connected`, on
+    // the first connect as on every reconnect).
     follower.reconnected = true;
-    if publisher.replay.is_some() {
-        catch_up(fleet, worker, publisher, follower, 0).await;
-    }
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! {
