@@ -1,15 +1,21 @@
-// FP4 weights (MXFP4, NVFP4) for decode: y[j, r] = tensor_scale * sum_c
-// w[r, c] x[j, c] for n <= 16 tokens, BF16 activations, f32 out. Weight-only
+// FP4 weights (MXFP4, NVFP4): y[j, r] (+)= row_scale[r] * sum_c w[r, c] x[j, c]
+// for n tokens, BF16 activations, f32 out (added to y with `accumulate`,
+// for the residual stream). Built for decode (1 to 64 tokens). Weight-only
 // quantization on Hopper: the E2M1 codes are dequantized in registers and
 // multiplied on the BF16 tensor cores (mma.sync m16n8k16), so a step reads
 // 4.25 (MX) or 4.5 (NV) bits per weight instead of 16.
 //
 // Layout (backend/src/compute/fp4.rs): codes row-major, two per byte, element
 // 2i in the low nibble of byte i; one scale byte per 32 (MX, E8M0) or 16 (NV,
-// E4M3) elements of a row; NV's fp32 tensor scale comes in out_scale.
+// E4M3) elements of a row; NV's fp32 tensor scale comes in row_scale (one per
+// row, so that matrices quantized apart, Q, K and V say, run as one).
 //
-// A block of 8 warps takes 16 rows; its warps split the columns in chunks of
-// 128 (warp w takes chunks w, w + 8, ...), UNROLL chunks in flight. (With 4
+// A block of 8 warps takes 16 rows and NT * 8 tokens (blockIdx.y: rows,
+// blockIdx.x: tokens, so that the blocks sharing a weight tile run together
+// and read it from DRAM once); its warps split the columns in chunks of 128
+// (warp w takes chunks w, w + 8, ...), UNROLL chunks in flight; a row's last
+// chunk may be partial (cols a multiple of 32: a lane's 32 columns are all in
+// or all out). (With 4
 // warps the 384 blocks of an 8B model's qkv filled 0.48 waves of the H200's
 // SMs: 11 warps an SM, 20% of DRAM bandwidth under ncu.) In a chunk
 // lane (g = lane / 4, t = lane % 4) loads 16 bytes (32 codes) of rows g and
@@ -33,6 +39,13 @@ __device__ __forceinline__ u32 e2m1x2_bits(u32 w) {
     return (mag & 0x01c001c0u) | (sign & 0x80008000u);
 }
 
+// An E2M1 code's value.
+__device__ __forceinline__ float e2m1_value(u32 code) {
+    const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    const float v = mag[code & 7u];
+    return code & 8u ? -v : v;
+}
+
 __device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
     u32 d;
     asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
@@ -42,7 +55,7 @@ __device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
 // The bits above are the E2M1 value times 2^-126. One multiply by the block's
 // scale times 2^126 (folded in here, per block, not per weight) makes the
 // weight; as that can pass bf16's range, the host picks a power of two
-// 2^-shift to fold in as well and multiplies the sums back (out_scale).
+// 2^-shift to fold in as well and multiplies the sums back (out_pow2).
 
 // An E8M0 scale code times 2^(126 - shift) as bf16 bits (a power of two:
 // exact, or 0 below bf16's smallest subnormal).
@@ -54,7 +67,7 @@ __device__ __forceinline__ u32 e8m0_bf16(u32 e, int shift) {
 }
 
 // An E4M3 scale code times 2^118 as bf16 bits (exact: three mantissa bits;
-// 448 * 2^118 is below 2^127). The host folds the missing 2^8 into out_scale.
+// 448 * 2^118 is below 2^127). The host folds the missing 2^8 into out_pow2.
 __device__ __forceinline__ u32 e4m3_bf16(u32 c) {
     const u32 sign = (c & 0x80u) << 24, e = (c >> 3) & 0xfu, m = c & 7u;
     if (e == 0xfu && m == 7u) return 0x7fc0u;  // NaN
@@ -88,12 +101,17 @@ __device__ __forceinline__ void fp4_step(float* c, u32 wa, u32 wb, u32 sa, u32 s
 
 template <bool NV, int NT, int UNROLL, int WARPS>
 __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
-                                         const bf16* __restrict__ x, float* __restrict__ y, int n, int rows, int cols,
-                                         float out_scale, int shift) {
+                                         const float* __restrict__ row_scale, const bf16* __restrict__ x,
+                                         float* __restrict__ y, int n, int rows, int cols, float out_pow2, int shift,
+                                         int accumulate) {
     __shared__ float partial[WARPS][NT][32][4];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int row0 = blockIdx.x * 16, ra = row0 + g, rb = row0 + g + 8;
-    const int chunks = cols >> 7, per_row_scales = cols / (NV ? 16 : 32);
+    const int row0 = blockIdx.y * 16, ra = row0 + g, rb = row0 + g + 8;
+    const int tok0 = blockIdx.x * NT * 8;
+    x += (u64)tok0 * cols;
+    y += (u64)tok0 * rows;
+    n -= tok0;
+    const int chunks = (cols + 127) >> 7, per_row_scales = cols / (NV ? 16 : 32);
     const u64 row_bytes = (u64)cols >> 1;
     float acc[NT][4];
 #pragma unroll
@@ -104,7 +122,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
 #pragma unroll
         for (int u = 0; u < UNROLL; u++) {
             const int c = c0 + WARPS * u, k = (c << 7) + 32 * t;
-            const bool in = c < chunks;
+            const bool in = c < chunks && k < cols;
             wa[u] = in && ra < rows ? __ldg((const uint4*)(codes + ra * row_bytes + (k >> 1))) : make_uint4(0, 0, 0, 0);
             wb[u] = in && rb < rows ? __ldg((const uint4*)(codes + rb * row_bytes + (k >> 1))) : make_uint4(0, 0, 0, 0);
             if (NV) {
@@ -142,7 +160,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                 uint4 xv[4];
 #pragma unroll
                 for (int i = 0; i < 4; i++)
-                    xv[i] = j < n ? __ldg((const uint4*)(x + (u64)j * cols + k + 8 * i)) : make_uint4(0, 0, 0, 0);
+                    xv[i] = j < n && k < cols ? __ldg((const uint4*)(x + (u64)j * cols + k + 8 * i)) : make_uint4(0, 0, 0, 0);
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
                     const u32 wqa = word(wa[u], q), wqb = word(wb[u], q);
@@ -169,16 +187,53 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                 float s = 0.0f;
 #pragma unroll
                 for (int w = 0; w < WARPS; w++) s += partial[w][nt][lane][i];
-                if (row < rows && j < n) y[(u64)j * rows + row] = s * out_scale;
+                if (row < rows && j < n) {
+                    const float v = s * out_pow2 * row_scale[row];
+                    float* out = y + (u64)j * rows + row;
+                    *out = accumulate ? *out + v : v;
+                }
             }
     }
 }
 
-// cols a multiple of 128; n <= 8 (n8) or <= 16 (n16).
+// cols a multiple of 32; 8 (n8) to 64 (n64) tokens a block: the block
+// dequantizes its weights once for all of them. (Blocks of 16 tokens side by
+// side, each dequantizing the same tile, ran batch 64 at a third of the rate.)
 #define FP4_ARGS const unsigned char *__restrict__ codes, const unsigned char *__restrict__ scales, \
-                 const bf16 *__restrict__ x, float *__restrict__ y, int n, int rows, int cols, float out_scale, int shift
+                 const float *__restrict__ row_scale, const bf16 *__restrict__ x, float *__restrict__ y, int n, \
+                 int rows, int cols, float out_pow2, int shift, int accumulate
+#define FP4_PASS codes, scales, row_scale, x, y, n, rows, cols, out_pow2, shift, accumulate
 // 256 threads a block (FP4_WARPS in fp4.rs).
-extern "C" __global__ void __launch_bounds__(256) fp4_gemv_mx_n8(FP4_ARGS) { fp4_gemv<false, 1, 4, 8>(codes, scales, x, y, n, rows, cols, out_scale, shift); }
-extern "C" __global__ void __launch_bounds__(256) fp4_gemv_mx_n16(FP4_ARGS) { fp4_gemv<false, 2, 4, 8>(codes, scales, x, y, n, rows, cols, out_scale, shift); }
-extern "C" __global__ void __launch_bounds__(256) fp4_gemv_nv_n8(FP4_ARGS) { fp4_gemv<true, 1, 4, 8>(codes, scales, x, y, n, rows, cols, out_scale, shift); }
-extern "C" __global__ void __launch_bounds__(256) fp4_gemv_nv_n16(FP4_ARGS) { fp4_gemv<true, 2, 4, 8>(codes, scales, x, y, n, rows, cols, out_scale, shift); }
+extern "C" __global__ void __launch_bounds__(256) fp4_gemv_mx_n8(FP4_ARGS) { fp4_gemv<false, 1, 4, 8>(FP4_PASS); }
+extern "C" __global__ void __launch_bounds__(256) fp4_gemv_mx_n16(FP4_ARGS) { fp4_gemv<false, 2, 4, 8>(FP4_PASS); }
+extern "C" __global__ void __launch_bounds__(256) fp4_gemv_nv_n8(FP4_ARGS) { fp4_gemv<true, 1, 4, 8>(FP4_PASS); }
+extern "C" __global__ void __launch_bounds__(256) fp4_gemv_nv_n16(FP4_ARGS) { fp4_gemv<true, 2, 4, 8>(FP4_PASS); }
+extern "C" __global__ void __launch_bounds__(256) fp4_gemv_mx_n32(FP4_ARGS) { fp4_gemv<false, 4, 2, 8>(FP4_PASS); }
+extern "C" __global__ void __launch_bounds__(256) fp4_gemv_nv_n32(FP4_ARGS) { fp4_gemv<true, 4, 2, 8>(FP4_PASS); }
+extern "C" __global__ void __launch_bounds__(256) fp4_gemv_mx_n64(FP4_ARGS) { fp4_gemv<false, 8, 2, 8>(FP4_PASS); }
+extern "C" __global__ void __launch_bounds__(256) fp4_gemv_nv_n64(FP4_ARGS) { fp4_gemv<true, 8, 2, 8>(FP4_PASS); }
+
+// The weights as BF16 (for the GEMMs of many tokens): out[r, c] =
+// E2M1 * scale * row_scale[r], with the scales' true values (no 2^126 trick).
+extern "C" __global__ void fp4_to_bf16(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
+                                       const float* __restrict__ row_scale, bf16* __restrict__ out, int rows, int cols,
+                                       int nv) {
+    const u64 pairs = (u64)rows * cols / 2;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < pairs; i += (u64)gridDim.x * blockDim.x) {
+        const u64 e = 2 * i, r = e / cols;
+        const u32 byte = codes[i];
+        const u32 sc = scales[e / (nv ? 16 : 32)];
+        float scale;
+        if (nv) {
+            const u32 ex = (sc >> 3) & 0xfu, m = sc & 7u;
+            scale = ex == 0u ? (float)m * 0.001953125f : __uint_as_float(((ex + 120u) << 23) | (m << 20));
+            if (sc & 0x80u) scale = -scale;
+            if (ex == 0xfu && m == 7u) scale = __int_as_float(0x7fc00000);
+        } else {
+            scale = sc == 255u ? __int_as_float(0x7fc00000) : (sc == 0u ? __int_as_float(0x00400000) : __uint_as_float(sc << 23));
+        }
+        scale *= row_scale[r];
+        out[e] = f32_to_bf16(e2m1_value(byte & 15u) * scale);
+        out[e + 1] = f32_to_bf16(e2m1_value(byte >> 4) * scale);
+    }
+}

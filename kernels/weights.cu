@@ -36,3 +36,9 @@ extern "C" __global__ void fill_uniform_bf16(bf16* __restrict__ out, u64 n, u64 
         out[i] = f32_to_bf16((2.0f * unit - 1.0f) * scale);
     }
 }
+
+// Random bits (synthetic FP4 codes): word i is splitmix64(seed + i)'s top 32.
+extern "C" __global__ void fill_random_u32(u32* __restrict__ out, u64 n, u64 seed) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        out[i] = (u32)(splitmix64(seed + i) >> 32);
+}

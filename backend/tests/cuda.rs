@@ -3,7 +3,9 @@
 //! tolerance, identical greedy tokens for a fixed prompt set (up to the first
 //! near-tie, see NEAR_TIE), and continuous batching on the GPU giving the
 //! same tokens as one request at a time (bit-exact: batch-invariant numerics).
-//! Skipped (a line on stderr) where there is no GPU.
+//! Skipped (a line on stderr) where there is no GPU. The same with the
+//! linear layers in MXFP4 and NVFP4 (the GPU multiplying the FP4 weights as
+//! they are, the CPU its f32 reference of them).
 //!
 //! Tolerance on logits (SmolLM2's span about ±30): the GPU rounds weights and
 //! every GEMM input to BF16 (relative 2^-9) where the CPU keeps f32, over 30
@@ -19,7 +21,7 @@ use sluice_backend::compute::cuda::{
 };
 use sluice_backend::engine::{Device, Engine, EngineConfig, GenerateEvent, GenerateRequest};
 use sluice_backend::kv::KvStorage;
-use sluice_backend::model::{Gguf, Llama, Logits, SeqChunk, Tokenizer};
+use sluice_backend::model::{Gguf, Llama, Logits, SeqChunk, Tokenizer, WeightFormat};
 
 fn model() -> &'static (Arc<Llama>, Arc<Tokenizer>) {
     static MODEL: OnceLock<(Arc<Llama>, Arc<Tokenizer>)> = OnceLock::new();
@@ -31,6 +33,13 @@ fn model() -> &'static (Arc<Llama>, Arc<Tokenizer>) {
             Arc::new(Tokenizer::from_gguf(&gguf).unwrap()),
         )
     })
+}
+
+/// SmolLM2 with its linear layers quantized to `format` (a fresh copy).
+fn quantized_model(format: WeightFormat) -> Arc<Llama> {
+    let gguf = Gguf::open(&common::model_path()).unwrap();
+    let llama = Llama::from_gguf(&gguf).unwrap();
+    Arc::new(llama.with_linear_weights(format).unwrap())
 }
 
 fn gpu_present() -> bool {
@@ -55,7 +64,31 @@ fn logits_match_the_cpu_on_smollm2() {
     if !gpu_present() {
         return;
     }
-    let (llama, tok) = model();
+    assert_logits_match(&model().0, Numerics::BatchInvariant);
+}
+
+/// FP4 linear layers: the GPU's FP4 kernels (every step of the batch-invariant
+/// numerics; with the fast numerics the six-prompt prefill, over
+/// FP4_GEMV_MAX_TOKENS tokens, goes through BF16 copies and cuBLAS) against
+/// the CPU's f32 reference of the same FP4 weights.
+#[test]
+fn fp4_logits_match_the_cpu_on_smollm2() {
+    if !gpu_present() {
+        return;
+    }
+    for format in [WeightFormat::Mxfp4, WeightFormat::Nvfp4] {
+        let llama = quantized_model(format);
+        for numerics in [Numerics::BatchInvariant, Numerics::Fast] {
+            eprintln!("{format} {numerics:?}:");
+            assert_logits_match(&llama, numerics);
+        }
+    }
+}
+
+/// Every prompt prefilled in one step, then one decode token each: the GPU's
+/// logits against the CPU's (tolerances: the module's comment).
+fn assert_logits_match(llama: &Llama, numerics: Numerics) {
+    let tok = &model().1;
     let c = &llama.config;
     let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|p| tok.encode(p).unwrap()).collect();
     let block_size = 16;
@@ -80,6 +113,12 @@ fn logits_match_the_cpu_on_smollm2() {
     let gpu = Gpu::open(0).unwrap();
     let cuda = CudaLlama::from_host(gpu, llama).unwrap();
     let mut ex = CudaExecutor::new(cuda, prompts.len() * pages, block_size).unwrap();
+    ex.set_numerics(numerics);
+    let total: usize = prompts.iter().map(Vec::len).sum();
+    assert!(
+        total > 64,
+        "the prefill step should pass FP4_GEMV_MAX_TOKENS"
+    );
     let got = ex.step(&chunks, StepOutput::Logits).unwrap();
     let next: Vec<[u32; 1]> = (0..prompts.len()).map(|i| [100 + i as u32]).collect();
     for (i, ch) in chunks.iter_mut().enumerate() {
@@ -150,12 +189,15 @@ fn tokens_of(mut rx: tokio::sync::mpsc::UnboundedReceiver<GenerateEvent>) -> Vec
 }
 
 fn engine(device: Device) -> Engine {
-    let (m, t) = model();
+    engine_of(device, model().0.clone())
+}
+
+fn engine_of(device: Device, llama: Arc<Llama>) -> Engine {
     Engine::start_on(
         device,
         Numerics::BatchInvariant,
-        m.clone(),
-        t.clone(),
+        llama,
+        model().1.clone(),
         EngineConfig::default(),
     )
     .unwrap()
@@ -245,9 +287,22 @@ fn continuous_batching_on_the_gpu_gives_the_same_tokens() {
     if !gpu_present() {
         return;
     }
+    assert_batching_gives_the_same_tokens(&engine(Device::Cuda(0)));
+}
+
+/// As above with NVFP4 linear layers (the FP4 GEMV is batch-invariant too).
+#[test]
+fn fp4_continuous_batching_on_the_gpu_gives_the_same_tokens() {
+    if !gpu_present() {
+        return;
+    }
+    let llama = quantized_model(WeightFormat::Nvfp4);
+    assert_batching_gives_the_same_tokens(&engine_of(Device::Cuda(0), llama));
+}
+
+fn assert_batching_gives_the_same_tokens(gpu: &Engine) {
     let tok = &model().1;
-    let gpu = engine(Device::Cuda(0));
-    let alone = one_at_a_time(&gpu, 32);
+    let alone = one_at_a_time(gpu, 32);
     // All at once, with different lengths so prefill and decode mix.
     let receivers: Vec<_> = PROMPTS
         .iter()
@@ -319,7 +374,7 @@ fn decode_graphs_give_the_same_tokens_as_direct_launches() {
     }
     let gpu = Gpu::open(0).unwrap();
     let config = sluice_backend::model::LlamaConfig::preset("llama-3.2-1b").unwrap();
-    let cuda = CudaLlama::synthetic(gpu, config, 11).unwrap();
+    let cuda = CudaLlama::synthetic(gpu, config, 11, WeightFormat::Bf16).unwrap();
     let mut ex = CudaExecutor::new(cuda, 256, 16).unwrap();
     // Three sequences, prompts of different lengths, 40 greedy steps each.
     let run = |ex: &mut CudaExecutor, graphs: bool| -> Vec<Vec<u32>> {
@@ -347,7 +402,7 @@ fn synthetic_shapes_run_and_are_deterministic() {
     }
     let gpu = Gpu::open(0).unwrap();
     let config = sluice_backend::model::LlamaConfig::preset("llama-3.2-1b").unwrap();
-    let cuda = CudaLlama::synthetic(gpu, config, 7).unwrap();
+    let cuda = CudaLlama::synthetic(gpu, config, 7, WeightFormat::Bf16).unwrap();
     let mut ex = CudaExecutor::new(cuda, 64, 16).unwrap();
     let tokens: Vec<u32> = (0..300).map(|i| i * 37 % 128_000).collect();
     let table: Vec<u32> = (0..20).collect();
@@ -384,7 +439,7 @@ fn kv_pages_cross_gpus_intact() {
     let config = sluice_backend::model::LlamaConfig::preset("llama-3.2-1b").unwrap();
     // The source cache holds a model's KV after a prefill; pages 3, 9 and 4
     // land in pages 0, 5 and 1 of the destination.
-    let model = CudaLlama::synthetic(g0.clone(), config.clone(), 3).unwrap();
+    let model = CudaLlama::synthetic(g0.clone(), config.clone(), 3, WeightFormat::Bf16).unwrap();
     let mut src = CudaExecutor::new(model, 16, 16).unwrap();
     let tokens: Vec<u32> = (0..160).map(|i| i * 7 + 1).collect();
     let table: Vec<u32> = (0..10).collect();
@@ -430,7 +485,7 @@ fn prefill_on_one_gpu_and_decode_on_another_equals_aggregated() {
     let config = sluice_backend::model::LlamaConfig::preset("llama-3.2-1b").unwrap();
     let executor = |gpu: &Arc<Gpu>| {
         CudaExecutor::new(
-            CudaLlama::synthetic(gpu.clone(), config.clone(), 5).unwrap(),
+            CudaLlama::synthetic(gpu.clone(), config.clone(), 5, WeightFormat::Bf16).unwrap(),
             128,
             16,
         )

@@ -285,6 +285,10 @@ enum Bench {
         /// Also run PyTorch + transformers on the same shape (CUDA; this script).
         #[arg(long)]
         vs_torch: Option<PathBuf>,
+        /// The linear layers' format (CUDA): bf16, mxfp4 or nvfp4 (generated
+        /// FP4 weights for a synthetic shape; a GGUF's quantized from its own).
+        #[arg(long, default_value = "bf16")]
+        weights: sluice_backend::model::WeightFormat,
     },
     /// FP4 weights: with --accuracy, SmolLM2's perplexity and greedy agreement
     /// in BF16, MXFP4 and NVFP4 on MT-Bench's text (CPU; `make data` first).
@@ -293,7 +297,7 @@ enum Bench {
         #[arg(long)]
         accuracy: bool,
         /// The Hopper FP4 GEMV (GPU 0): weight-read bandwidth on a Llama
-        /// shape's matrices at 1, 8 and 16 tokens, MXFP4 and NVFP4.
+        /// shape's matrices at 1, 8, 16 and 64 tokens, MXFP4 and NVFP4.
         #[arg(long)]
         gemv: bool,
         /// The shape of --gemv.
@@ -603,6 +607,7 @@ fn run() -> anyhow::Result<()> {
                     steps,
                     prompts,
                     vs_torch,
+                    weights,
                     ..
                 },
         } => {
@@ -619,6 +624,7 @@ fn run() -> anyhow::Result<()> {
                 steps,
                 prompts,
                 torch_script: vs_torch,
+                weights,
             };
             let summary = run_cuda_engine_bench(&options, |line| println!("{line}"))
                 .context("sluice bench engine --device cuda")?;
@@ -670,7 +676,7 @@ fn run() -> anyhow::Result<()> {
                 }
                 // A decode step's four matrices per layer, bytes over time.
                 for format in ["mxfp4", "nvfp4"] {
-                    for tokens in [1, 8, 16] {
+                    for tokens in sluice_backend::compute::cuda::FP4_SWEEP_TOKENS {
                         let of = || {
                             figures
                                 .iter()

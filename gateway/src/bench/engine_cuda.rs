@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use serde_json::{Value, json};
 use sluice_backend::compute::cuda::bench::{attention_sweep, decode, gemv_sweep, prefill};
 use sluice_backend::compute::cuda::{CudaExecutor, CudaLlama, Gpu, Numerics};
-use sluice_backend::model::LlamaConfig;
+use sluice_backend::model::{LlamaConfig, WeightFormat};
 
 #[derive(Clone, Debug)]
 pub struct CudaEngineBenchOptions {
@@ -26,6 +26,8 @@ pub struct CudaEngineBenchOptions {
     pub prompts: Vec<usize>,
     /// bench/torch_llama.py, to run the PyTorch peer.
     pub torch_script: Option<PathBuf>,
+    /// The linear layers' format.
+    pub weights: WeightFormat,
 }
 
 /// Runs the benchmark, printing JSON lines through `emit`; returns the summary.
@@ -51,16 +53,17 @@ pub fn run_cuda_engine_bench(
                 )
             })?;
             (
-                CudaLlama::synthetic(gpu.clone(), config, 0x5eed)?,
+                CudaLlama::synthetic(gpu.clone(), config, 0x5eed, options.weights)?,
                 name.clone(),
             )
         }
         (None, Some(path)) => {
             let loaded = sluice_backend::model::load(path)?;
-            (
-                CudaLlama::from_host(gpu.clone(), &loaded.llama)?,
-                loaded.name,
-            )
+            let llama = loaded
+                .llama
+                .with_linear_weights(options.weights)
+                .map_err(anyhow::Error::msg)?;
+            (CudaLlama::from_host(gpu.clone(), &llama)?, loaded.name)
         }
         (None, None) => anyhow::bail!("give --model or --synthetic-model"),
     };
@@ -75,7 +78,8 @@ pub fn run_cuda_engine_bench(
     let kv_gb = (pages * block_size * ex.kv.bytes_per_token()) as f64 / 1e9;
     emit(
         &json!({"bench": "setup", "gpu": gpu.name, "arch": gpu.arch, "shape": shape,
-                 "weights_gb": weight_gb, "kv_cache_gb": kv_gb}),
+                 "weights": options.weights.to_string(), "weights_gb": weight_gb,
+                 "kv_cache_gb": kv_gb}),
     );
     for f in gemv_sweep(&ex)? {
         let mut line = serde_json::to_value(&f)?;
@@ -138,6 +142,7 @@ pub fn run_cuda_engine_bench(
     }
     summary.insert("gpu".into(), json!(gpu.name));
     summary.insert("shape".into(), json!(shape));
+    summary.insert("weights".into(), json!(options.weights.to_string()));
     summary.insert("summary".into(), json!(true));
     Ok(Value::Object(summary))
 }

@@ -1,32 +1,35 @@
-//! FP4 weights on the GPU, the Hopper path: an [`Fp4Matrix`] uploaded as it
-//! is (codes and scale bytes; NVFP4's tensor scale is a kernel argument), and
-//! the weight-only GEMV of `kernels/fp4.cu` for up to 16 tokens, which
-//! dequantizes in registers and multiplies on the BF16 tensor cores.
+//! FP4 weights on the GPU, the Hopper path: [`Fp4Matrix`]es uploaded as they
+//! are (codes and scale bytes, and one f32 per row for NVFP4's tensor scale,
+//! so that matrices quantized apart run fused), the weight-only GEMV of
+//! `kernels/fp4.cu`, which dequantizes in registers and multiplies on the
+//! BF16 tensor cores, and a dequantization to BF16 for GEMMs of many tokens.
 
 use std::time::Instant;
 
 use cudarc::driver::CudaSlice;
 use serde::Serialize;
 
-use super::device::{DevPtr, Gpu, GpuError, grid};
+use super::device::{DevPtr, Gpu, GpuError, elementwise, grid};
 use crate::compute::fp4::{Fp4Format, Fp4Matrix};
 use crate::model::LlamaConfig;
 
-/// Columns per kernel chunk: a row must be whole chunks.
-pub const FP4_COLS_MULTIPLE: usize = 128;
+/// Columns a row must be a multiple of (a kernel lane's 32 columns are all
+/// in the row or all out).
+pub const FP4_COLS_MULTIPLE: usize = 32;
 
 /// Warps per block of the kernels (`fp4.cu`'s WARPS).
 const FP4_WARPS: u32 = 8;
 
-/// One FP4 matrix on the device.
+/// One FP4 matrix (or several stacked by rows) on the device.
 #[derive(Debug)]
 pub struct Fp4Weights {
     pub rows: usize,
     pub cols: usize,
     pub format: Fp4Format,
-    pub tensor_scale: f32,
     codes: CudaSlice<u8>,
     scales: CudaSlice<u8>,
+    /// Each row's tensor scale (NVFP4; 1 for MXFP4).
+    row_scale: CudaSlice<f32>,
     /// MXFP4: the power of two taken out of every scale so that the largest
     /// times 2^126 stays within bf16 (`fp4.cu`); 0 for NVFP4.
     shift: i32,
@@ -34,27 +37,95 @@ pub struct Fp4Weights {
 
 impl Fp4Weights {
     pub fn upload(gpu: &Gpu, m: &Fp4Matrix) -> Result<Fp4Weights, GpuError> {
-        if !m.cols.is_multiple_of(FP4_COLS_MULTIPLE) {
+        Self::stack(gpu, &[m])
+    }
+
+    /// `parts` one under the other, as one matrix (Q, K and V as one QKV):
+    /// each keeps its own tensor scale.
+    pub fn stack(gpu: &Gpu, parts: &[&Fp4Matrix]) -> Result<Fp4Weights, GpuError> {
+        let first = parts
+            .first()
+            .ok_or_else(|| GpuError::Other("no FP4 matrix to stack".into()))?;
+        let (format, cols) = (first.format, first.cols);
+        if !cols.is_multiple_of(FP4_COLS_MULTIPLE) {
             return Err(GpuError::Other(format!(
-                "the FP4 GEMV takes rows of whole {FP4_COLS_MULTIPLE}-column chunks; this matrix has {} columns",
-                m.cols
+                "the FP4 kernels take rows of whole {FP4_COLS_MULTIPLE}-column groups; this matrix has {cols} columns"
             )));
+        }
+        if let Some(odd) = parts.iter().find(|m| m.format != format || m.cols != cols) {
+            return Err(GpuError::Other(format!(
+                "stacking FP4 matrices of different kinds: {:?} x {} under {format:?} x {cols}",
+                odd.format, odd.cols
+            )));
+        }
+        let rows = parts.iter().map(|m| m.rows).sum();
+        let mut codes = Vec::with_capacity(rows * cols / 2);
+        let mut scales = Vec::with_capacity(rows * cols / format.block());
+        let mut row_scale = Vec::with_capacity(rows);
+        for m in parts {
+            codes.extend_from_slice(&m.codes);
+            scales.extend_from_slice(&m.scales);
+            row_scale.extend(std::iter::repeat_n(m.tensor_scale, m.rows));
         }
         // E8M0 code e is 2^(e - 127); the kernel multiplies by 2^(e - 1 -
         // shift), which must stay below 2^128 (NaN codes, 255, aside).
-        let largest = m.scales.iter().filter(|&&e| e != 255).max().copied();
-        let shift = match m.format {
+        let largest = scales.iter().filter(|&&e| e != 255).max().copied();
+        let shift = match format {
             Fp4Format::Mxfp4 => largest.map_or(0, |e| (i32::from(e) - 128).max(0)),
             Fp4Format::Nvfp4 => 0,
         };
         Ok(Fp4Weights {
-            rows: m.rows,
-            cols: m.cols,
-            format: m.format,
-            tensor_scale: m.tensor_scale,
-            codes: gpu.upload(&m.codes)?,
-            scales: gpu.upload(&m.scales)?,
+            rows,
+            cols,
+            format,
+            codes: gpu.upload(&codes)?,
+            scales: gpu.upload(&scales)?,
+            row_scale: gpu.upload(&row_scale)?,
             shift,
+        })
+    }
+
+    /// Generated weights (synthetic models): random E2M1 codes under one
+    /// scale chosen so that the weights' RMS is about that of uniform values
+    /// in [-1/sqrt(cols), 1/sqrt(cols)), as `fill_uniform_bf16` makes them.
+    pub fn synthetic(
+        gpu: &Gpu,
+        format: Fp4Format,
+        rows: usize,
+        cols: usize,
+        seed: u64,
+    ) -> Result<Fp4Weights, GpuError> {
+        if !cols.is_multiple_of(FP4_COLS_MULTIPLE) || !(rows * cols).is_multiple_of(8) {
+            return Err(GpuError::Other(format!(
+                "a synthetic FP4 matrix of {rows} x {cols}"
+            )));
+        }
+        // Uniform codes have an RMS of sqrt(68.5 / 8) = 2.93 times the scale.
+        let target = 1.0 / (cols as f32).sqrt() / 3f32.sqrt() / 2.93;
+        let (scale_code, tensor_scale) = match format {
+            Fp4Format::Mxfp4 => (
+                (target.log2().round() as i32 + 127).clamp(1, 254) as u8,
+                1.0,
+            ),
+            // Block scales of 1.0 (E4M3 0x38), the rest in the tensor scale.
+            Fp4Format::Nvfp4 => (0x38u8, target),
+        };
+        let codes = gpu.alloc::<u8>(rows * cols / 2)?;
+        let words = (rows * cols / 8) as u64;
+        // SAFETY: `codes` holds rows * cols / 2 bytes, `words` u32s.
+        gpu.launch(
+            "fill_random_u32",
+            elementwise(words as usize),
+            &[&gpu.ptr(&codes, 0), &words, &seed],
+        )?;
+        Ok(Fp4Weights {
+            rows,
+            cols,
+            format,
+            codes,
+            scales: gpu.upload(&vec![scale_code; rows * cols / format.block()])?,
+            row_scale: gpu.upload(&vec![tensor_scale; rows])?,
+            shift: 0,
         })
     }
 
@@ -63,18 +134,19 @@ impl Fp4Weights {
         Ok(Fp4Weights {
             codes: gpu.stream.clone_dtod(&self.codes)?,
             scales: gpu.stream.clone_dtod(&self.scales)?,
+            row_scale: gpu.stream.clone_dtod(&self.row_scale)?,
             ..*self
         })
     }
 
-    /// What the kernel multiplies its sums by: the tensor scale, and the
-    /// power of two its scales left out (MX: 2^shift; NV: 2^8, see fp4.cu).
-    fn out_scale(&self) -> f32 {
+    /// The power of two the kernel's scales left out, which it multiplies
+    /// the sums by (MX: 2^shift; NV: 2^8, see fp4.cu).
+    fn out_pow2(&self) -> f32 {
         let taken = match self.format {
             Fp4Format::Mxfp4 => self.shift,
             Fp4Format::Nvfp4 => 8,
         };
-        self.tensor_scale * 2f32.powi(taken)
+        2f32.powi(taken)
     }
 
     /// Bytes one call reads from the weights (codes and scales).
@@ -82,35 +154,88 @@ impl Fp4Weights {
         self.rows * self.cols / 2 + self.rows * self.cols / self.format.block()
     }
 
-    /// `y[j, r] = sum_c w[r, c] x[j, c]` for `j < n <= 16`: `x` is `n` rows
-    /// of `cols` BF16 values, `y` `n` rows of `rows` f32.
-    pub fn gemv(&self, gpu: &Gpu, x: DevPtr, y: DevPtr, n: usize) -> Result<(), GpuError> {
-        let name = match (self.format, n) {
-            (Fp4Format::Mxfp4, 1..=8) => "fp4_gemv_mx_n8",
-            (Fp4Format::Mxfp4, 9..=16) => "fp4_gemv_mx_n16",
-            (Fp4Format::Nvfp4, 1..=8) => "fp4_gemv_nv_n8",
-            (Fp4Format::Nvfp4, 9..=16) => "fp4_gemv_nv_n16",
-            _ => return Err(GpuError::Other(format!("FP4 GEMV of {n} tokens (1 to 16)"))),
+    /// `y[j, r] (+)= sum_c w[r, c] x[j, c]` for `j < n`: `x` is `n` rows of
+    /// `cols` BF16 values, `y` `n` rows of `rows` f32, added to with
+    /// `accumulate`. Each token's sums are taken in the same order whatever
+    /// `n` is (batch-invariant).
+    pub fn gemv(
+        &self,
+        gpu: &Gpu,
+        x: DevPtr,
+        y: DevPtr,
+        n: usize,
+        accumulate: bool,
+    ) -> Result<(), GpuError> {
+        if n == 0 {
+            return Ok(());
+        }
+        // The smallest kernel that takes every token in one block; blocks of
+        // 64 tokens past that.
+        let per_block = match n {
+            1..=8 => 8,
+            9..=16 => 16,
+            17..=32 => 32,
+            _ => 64,
         };
-        // The kernel reads 16-byte groups of codes within each row (cols is a
-        // multiple of 128), the scales of those columns, and x's rows j < n.
+        let name = match self.format {
+            Fp4Format::Mxfp4 => format!("fp4_gemv_mx_n{per_block}"),
+            Fp4Format::Nvfp4 => format!("fp4_gemv_nv_n{per_block}"),
+        };
+        let (token_blocks, row_blocks) = (n.div_ceil(per_block), self.rows.div_ceil(16));
+        if row_blocks > 65_535 {
+            return Err(GpuError::Other(format!(
+                "an FP4 matrix of {} rows (at most {})",
+                self.rows,
+                65_535 * 16
+            )));
+        }
+        // SAFETY: the kernel reads 16-byte groups of codes within each row
+        // (cols a multiple of 32), the scales of those columns, a scale per
+        // row, x's rows j < n and writes y's rows j < n.
         gpu.launch(
-            name,
-            grid((self.rows.div_ceil(16) as u32, 1, 1), FP4_WARPS * 32, 0),
+            &name,
+            grid(
+                (token_blocks as u32, row_blocks as u32, 1),
+                FP4_WARPS * 32,
+                0,
+            ),
             &[
                 &gpu.ptr(&self.codes, 0),
                 &gpu.ptr(&self.scales, 0),
+                &gpu.ptr(&self.row_scale, 0),
                 &x,
                 &y,
                 &(n as i32),
                 &(self.rows as i32),
                 &(self.cols as i32),
-                &self.out_scale(),
+                &self.out_pow2(),
                 &self.shift,
+                &i32::from(accumulate),
+            ],
+        )
+    }
+
+    /// Writes the weights as BF16 (rows x cols) at `out`.
+    pub fn dequantize_into(&self, gpu: &Gpu, out: DevPtr) -> Result<(), GpuError> {
+        // SAFETY: `out` has room for rows * cols BF16 values (the caller's).
+        gpu.launch(
+            "fp4_to_bf16",
+            elementwise(self.rows * self.cols / 2),
+            &[
+                &gpu.ptr(&self.codes, 0),
+                &gpu.ptr(&self.scales, 0),
+                &gpu.ptr(&self.row_scale, 0),
+                &out,
+                &(self.rows as i32),
+                &(self.cols as i32),
+                &i32::from(self.format == Fp4Format::Nvfp4),
             ],
         )
     }
 }
+
+/// The token counts [`fp4_sweep`] measures.
+pub const FP4_SWEEP_TOKENS: [usize; 4] = [1, 8, 16, 64];
 
 /// One line of [`fp4_sweep`].
 #[derive(Clone, Debug, Serialize)]
@@ -149,8 +274,8 @@ pub fn fp4_sweep(
     ];
     let widest = shapes.iter().map(|s| s.2).max().unwrap_or(0);
     let tallest = shapes.iter().map(|s| s.1).max().unwrap_or(0);
-    let x = gpu.upload(&vec![0x3f80u16; 16 * widest])?; // 1.0 in BF16
-    let y = gpu.alloc::<f32>(16 * tallest)?;
+    let x = gpu.upload(&vec![0x3f80u16; 64 * widest])?; // 1.0 in BF16
+    let y = gpu.alloc::<f32>(64 * tallest)?;
     let mut out = Vec::new();
     for format in [Fp4Format::Mxfp4, Fp4Format::Nvfp4] {
         for &(name, rows, cols) in &shapes {
@@ -167,10 +292,10 @@ pub fn fp4_sweep(
             for _ in 1..copies {
                 all.push(all[0].duplicate(gpu)?);
             }
-            for tokens in [1usize, 8, 16] {
+            for tokens in FP4_SWEEP_TOKENS {
                 let launch_all = || -> Result<(), GpuError> {
                     for w in &all {
-                        w.gemv(gpu, gpu.ptr(&x, 0), gpu.ptr(&y, 0), tokens)?;
+                        w.gemv(gpu, gpu.ptr(&x, 0), gpu.ptr(&y, 0), tokens, false)?;
                     }
                     Ok(())
                 };

@@ -1,5 +1,6 @@
-//! The Llama forward pass on one GPU. Weights are BF16 on the device (Q and K
-//! projections fused with V into one `wqkv`, gate with up into `w_gate_up`);
+//! The Llama forward pass on one GPU. Weights are BF16 on the device, or the
+//! linear layers' FP4 (MXFP4, NVFP4) as they are (Q and K projections fused
+//! with V into one `wqkv`, gate with up into `w_gate_up`);
 //! the residual stream is f32; K and V live in a paged BF16 cache with the same
 //! block layout as the CPU's (`crate::kv::KvStorage`). A step runs a batch of
 //! sequence chunks, prefill chunks and decode tokens mixed, as on the CPU:
@@ -13,8 +14,10 @@ use std::sync::Arc;
 use cudarc::driver::{CudaGraph, CudaSlice};
 
 use super::device::{DevPtr, GEMM_ROW_TILE, Gpu, GpuError, elementwise, grid};
+use super::fp4::{FP4_COLS_MULTIPLE, Fp4Weights};
 use crate::compute::cpu::{Quant, Weight};
-use crate::model::{Llama, LlamaConfig, SeqChunk};
+use crate::compute::fp4::{Fp4Format, Fp4Matrix};
+use crate::model::{Llama, LlamaConfig, SeqChunk, WeightFormat};
 
 /// BF16 values as their bits.
 type Bf16 = u16;
@@ -30,18 +33,68 @@ fn attention_smem(head_dim: usize, rows: usize) -> u32 {
         + KEY_TILE * head_dim * 2) as u32
 }
 
+/// Up to this many tokens, FP4 weights are multiplied as they are (the FP4
+/// GEMV, which reads each weight tile once for every token of the step); in
+/// `Numerics::Fast`, more tokens (prefill) multiply a BF16 copy made for the
+/// step with cuBLAS. Batch-invariant steps always take the FP4 kernel.
+pub const FP4_GEMV_MAX_TOKENS: usize = 64;
+
+/// A linear layer's weights (rows x cols, row-major).
+#[derive(Debug)]
+enum Linear {
+    Bf16(CudaSlice<Bf16>),
+    Fp4(Fp4Weights),
+}
+
+impl Linear {
+    /// Bytes a step reads.
+    fn bytes(&self) -> usize {
+        match self {
+            Linear::Bf16(w) => w.len() * 2,
+            Linear::Fp4(w) => w.bytes(),
+        }
+    }
+
+    /// The matrix of `parts` stacked by rows (each `rows x cols` as given):
+    /// FP4 as it is when every part is FP4 of one format and the kernels take
+    /// the columns; else BF16 (FP4 parts dequantized).
+    fn stacked(gpu: &Gpu, parts: &[&Weight], cols: usize) -> Result<Linear, GpuError> {
+        let fp4: Vec<&Fp4Matrix> = parts
+            .iter()
+            .filter_map(|w| match w {
+                Weight::Fp4(m) => Some(m),
+                _ => None,
+            })
+            .collect();
+        if fp4.len() == parts.len()
+            && cols.is_multiple_of(FP4_COLS_MULTIPLE)
+            && fp4.iter().all(|m| m.format == fp4[0].format)
+        {
+            return Ok(Linear::Fp4(Fp4Weights::stack(gpu, &fp4)?));
+        }
+        let rows: usize = parts.iter().map(|w| w.rows()).sum();
+        let out = gpu.alloc::<Bf16>(rows * cols)?;
+        let mut row = 0;
+        for w in parts {
+            put_weight(gpu, w, gpu.ptr(&out, row * cols))?;
+            row += w.rows();
+        }
+        Ok(Linear::Bf16(out))
+    }
+}
+
 #[derive(Debug)]
 struct CudaLayer {
     attn_norm: CudaSlice<f32>,
     /// [q_dim + 2 kv_dim, hidden]
-    wqkv: CudaSlice<Bf16>,
+    wqkv: Linear,
     /// [hidden, q_dim]
-    wo: CudaSlice<Bf16>,
+    wo: Linear,
     ffn_norm: CudaSlice<f32>,
     /// [2 ffn, hidden]: gate rows, then up rows.
-    w_gate_up: CudaSlice<Bf16>,
+    w_gate_up: Linear,
     /// [hidden, ffn]
-    w_down: CudaSlice<Bf16>,
+    w_down: Linear,
 }
 
 /// A model whose weights are on the GPU.
@@ -116,38 +169,28 @@ impl CudaLlama {
         Ok(())
     }
 
-    /// Copies a CPU model's weights to the GPU, dequantizing Q4_1 and Q8_0
-    /// blocks to BF16 there.
+    /// Copies a CPU model's weights to the GPU: FP4 linear layers as they
+    /// are, Q4_1 and Q8_0 blocks dequantized to BF16 there.
     pub fn from_host(gpu: Arc<Gpu>, model: &Llama) -> Result<CudaLlama, GpuError> {
         let c = model.config.clone();
         Self::check_shape(&c)?;
         gpu.bind()?;
         let (embed_w, layers_w, norm_w, head_w) = model.parts();
-        let (h, q, kv, ffn) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
+        let (h, q, ffn) = (c.hidden, c.q_dim(), c.ffn);
         let put = |dst: &CudaSlice<Bf16>, row: usize, cols: usize, w: &Weight| {
             put_weight(&gpu, w, gpu.ptr(dst, row * cols))
         };
         let mut layers = Vec::with_capacity(c.n_layers);
         for l in layers_w {
-            let wqkv = gpu.alloc::<Bf16>((q + 2 * kv) * h)?;
-            put(&wqkv, 0, h, &l.wq)?;
-            put(&wqkv, q, h, &l.wk)?;
-            put(&wqkv, q + kv, h, &l.wv)?;
-            let wo = gpu.alloc::<Bf16>(h * q)?;
-            put(&wo, 0, q, &l.wo)?;
-            let w_gate_up = gpu.alloc::<Bf16>(2 * ffn * h)?;
-            put(&w_gate_up, 0, h, &l.w_gate)?;
-            put(&w_gate_up, ffn, h, &l.w_up)?;
-            let w_down = gpu.alloc::<Bf16>(h * ffn)?;
-            put(&w_down, 0, ffn, &l.w_down)?;
             layers.push(CudaLayer {
                 attn_norm: gpu.upload(&l.attn_norm)?,
-                wqkv,
-                wo,
+                wqkv: Linear::stacked(&gpu, &[&l.wq, &l.wk, &l.wv], h)?,
+                wo: Linear::stacked(&gpu, &[&l.wo], q)?,
                 ffn_norm: gpu.upload(&l.ffn_norm)?,
-                w_gate_up,
-                w_down,
+                w_gate_up: Linear::stacked(&gpu, &[&l.w_gate, &l.w_up], h)?,
+                w_down: Linear::stacked(&gpu, &[&l.w_down], ffn)?,
             });
+            gpu.synchronize()?;
         }
         let embed = gpu.alloc::<Bf16>(c.vocab * h)?;
         put(&embed, 0, h, embed_w)?;
@@ -173,8 +216,15 @@ impl CudaLlama {
 
     /// A model of shape `config` with generated weights (uniform, scaled by
     /// 1/sqrt(fan-in); norms 1), made on the GPU: for the shapes whose real
-    /// weights cannot be fetched here (`LlamaConfig::preset`).
-    pub fn synthetic(gpu: Arc<Gpu>, config: LlamaConfig, seed: u64) -> Result<CudaLlama, GpuError> {
+    /// weights cannot be fetched here (`LlamaConfig::preset`). With `weights`
+    /// MXFP4 or NVFP4, the linear layers are random FP4 codes of about the
+    /// same spread (`Fp4Weights::synthetic`); embeddings and head BF16.
+    pub fn synthetic(
+        gpu: Arc<Gpu>,
+        config: LlamaConfig,
+        seed: u64,
+        weights: WeightFormat,
+    ) -> Result<CudaLlama, GpuError> {
         let c = config;
         Self::check_shape(&c)?;
         gpu.bind()?;
@@ -191,15 +241,30 @@ impl CudaLlama {
             )?;
             Ok(out)
         };
+        let fp4 = match weights {
+            WeightFormat::Mxfp4 => Some(Fp4Format::Mxfp4),
+            WeightFormat::Nvfp4 => Some(Fp4Format::Nvfp4),
+            WeightFormat::AsLoaded | WeightFormat::Bf16 => None,
+        };
+        let mut fp4_seed = seed ^ 0xf4f4_f4f4;
+        let mut linear = |rows: usize, cols: usize| -> Result<Linear, GpuError> {
+            Ok(match fp4 {
+                Some(format) => {
+                    fp4_seed = fp4_seed.wrapping_add((rows * cols) as u64);
+                    Linear::Fp4(Fp4Weights::synthetic(&gpu, format, rows, cols, fp4_seed)?)
+                }
+                None => Linear::Bf16(random(rows * cols, cols)?),
+            })
+        };
         let mut layers = Vec::with_capacity(c.n_layers);
         for _ in 0..c.n_layers {
             layers.push(CudaLayer {
                 attn_norm: gpu.upload(&vec![1.0f32; h])?,
-                wqkv: random((q + 2 * kv) * h, h)?,
-                wo: random(h * q, q)?,
+                wqkv: linear(q + 2 * kv, h)?,
+                wo: linear(h, q)?,
                 ffn_norm: gpu.upload(&vec![1.0f32; h])?,
-                w_gate_up: random(2 * ffn * h, h)?,
-                w_down: random(h * ffn, ffn)?,
+                w_gate_up: linear(2 * ffn, h)?,
+                w_down: linear(h, ffn)?,
             });
         }
         let embed = random(c.vocab * h, 1)?;
@@ -216,15 +281,19 @@ impl CudaLlama {
         })
     }
 
-    /// Each layer matrix kind with every layer's copy, as (name, addresses,
-    /// rows, cols): for GEMM measurements over more bytes than L2 holds.
+    /// Each BF16 layer matrix kind with every layer's copy, as (name,
+    /// addresses, rows, cols): for GEMM measurements over more bytes than L2
+    /// holds. (FP4 matrices are left out: `fp4_sweep` measures those.)
     pub fn layer_matrices(&self) -> Vec<(&'static str, Vec<DevPtr>, usize, usize)> {
         let c = &self.config;
         let (h, q, kv, ffn) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
-        let all = |f: fn(&CudaLayer) -> &CudaSlice<Bf16>| {
+        let all = |f: fn(&CudaLayer) -> &Linear| {
             self.layers
                 .iter()
-                .map(|l| self.gpu.ptr(f(l), 0))
+                .filter_map(|l| match f(l) {
+                    Linear::Bf16(w) => Some(self.gpu.ptr(w, 0)),
+                    Linear::Fp4(_) => None,
+                })
                 .collect::<Vec<_>>()
         };
         vec![
@@ -233,15 +302,36 @@ impl CudaLlama {
             ("gate_up", all(|l| &l.w_gate_up), 2 * ffn, h),
             ("down", all(|l| &l.w_down), h, ffn),
         ]
+        .into_iter()
+        .filter(|m| !m.1.is_empty())
+        .collect()
     }
 
-    /// Bytes of weights one decode step reads (every layer's matrices and the
-    /// output head; one embedding row per token is left out).
+    /// Elements of the largest FP4 layer matrix (0 without FP4 layers): the
+    /// BF16 scratch a many-token step dequantizes into.
+    fn largest_fp4(&self) -> usize {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.wqkv, &l.wo, &l.w_gate_up, &l.w_down])
+            .map(|w| match w {
+                Linear::Fp4(f) => f.rows * f.cols,
+                Linear::Bf16(_) => 0,
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Bytes of weights one decode step reads (every layer's matrices, FP4
+    /// codes and scales as they are, and the BF16 output head; one embedding
+    /// row per token is left out).
     pub fn weight_bytes(&self) -> usize {
         let c = &self.config;
-        let (h, q, kv, ffn) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
-        let per_layer = (q + 2 * kv) * h + h * q + 2 * ffn * h + h * ffn;
-        2 * (c.n_layers * per_layer + c.vocab * h)
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| l.wqkv.bytes() + l.wo.bytes() + l.w_gate_up.bytes() + l.w_down.bytes())
+            .sum();
+        layers + 2 * c.vocab * c.hidden
     }
 
     /// Runs the chunks, writing their K and V into `kv`; returns, per chunk,
@@ -274,6 +364,9 @@ impl CudaLlama {
             return Ok(Vec::new());
         }
         ws.reserve(gpu, c, n, m, plan.decode_splits)?;
+        if ws.dequantizes(n) {
+            ws.reserve_dequant(gpu, self.largest_fp4())?;
+        }
         let meta = plan.upload(gpu, &mut ws.meta)?;
         if meta.grown {
             // Captured graphs point at the old index arrays.
@@ -355,6 +448,15 @@ impl CudaLlama {
             Numerics::BatchInvariant => gpu.gemm_bf16(w, x, y, n, rows, cols, accumulate),
             Numerics::Fast => gpu.gemm_bf16_fast(w, x, y, n, rows, cols, accumulate),
         };
+        let linear = |w: &Linear, x, y, rows, cols, accumulate| match w {
+            Linear::Bf16(w) => gemm(b(w), x, y, n, rows, cols, accumulate),
+            Linear::Fp4(w) if ws.dequantizes(n) => {
+                let scratch = b(&ws.dequant);
+                w.dequantize_into(gpu, scratch)?;
+                gpu.gemm_bf16_fast(scratch, x, y, n, rows, cols, accumulate)
+            }
+            Linear::Fp4(w) => w.gemv(gpu, x, y, n, accumulate),
+        };
 
         // SAFETY (all launches): the buffers were sized by `reserve` for n
         // tokens and m logit rows; the index arrays hold n (or m) entries.
@@ -370,7 +472,7 @@ impl CudaLlama {
                 grid((n32, 1, 1), 256, 0),
                 &[&x, &null, &p(&layer.attn_norm), &xn, &h32, &eps],
             )?;
-            gemm(b(&layer.wqkv), xn, qkv, n, q_dim + 2 * kv_dim, h, false)?;
+            linear(&layer.wqkv, xn, qkv, q_dim + 2 * kv_dim, h, false)?;
             gpu.launch(
                 "rope_store_kv",
                 grid((n32, 1, 1), 128, 0),
@@ -388,19 +490,19 @@ impl CudaLlama {
                 ],
             )?;
             launch_attention(gpu, c, ws, plan, meta, qb, k_cache, v_cache, attn)?;
-            gemm(b(&layer.wo), attn, x, n, h, q_dim, true)?;
+            linear(&layer.wo, attn, x, h, q_dim, true)?;
             gpu.launch(
                 "rms_norm",
                 grid((n32, 1, 1), 256, 0),
                 &[&x, &null, &p(&layer.ffn_norm), &xn, &h32, &eps],
             )?;
-            gemm(b(&layer.w_gate_up), xn, gate_up, n, 2 * ffn, h, false)?;
+            linear(&layer.w_gate_up, xn, gate_up, 2 * ffn, h, false)?;
             gpu.launch(
                 "silu_mul",
                 elementwise(n * ffn),
                 &[&gate_up, &act, &(ffn as i32), &(n as u64)],
             )?;
-            gemm(b(&layer.w_down), act, x, n, h, ffn, true)?;
+            linear(&layer.w_down, act, x, h, ffn, true)?;
         }
         if m > 0 {
             let head_in = b(&ws.head_in);
@@ -553,7 +655,8 @@ fn put_weight(gpu: &Gpu, w: &Weight, dst: DevPtr) -> Result<(), GpuError> {
     };
     match w {
         Weight::F32(m) => from_f32(&m.data)?,
-        // FP4 weights run as BF16 on the GPU for now: FP4 kernels are next.
+        // FP4 where the FP4 kernels do not take it (embeddings, a head,
+        // columns not whole 32s): as BF16.
         Weight::Fp4(m) => from_f32(&m.dequantize())?,
         Weight::Quant { quant, .. } => match quant {
             Quant::Q4_1 { scales, mins, qs } => {
@@ -671,6 +774,8 @@ pub struct Workspace {
     part_acc: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
     meta: CudaSlice<i32>,
+    /// BF16 scratch for one FP4 matrix (steps of many tokens, fast numerics).
+    dequant: CudaSlice<Bf16>,
 }
 
 impl std::fmt::Debug for Workspace {
@@ -705,7 +810,24 @@ impl Workspace {
             part_acc: gpu.alloc(1)?,
             part_ml: gpu.alloc(1)?,
             meta: gpu.alloc(1)?,
+            dequant: gpu.alloc(1)?,
         })
+    }
+
+    /// Whether a step of `tokens` multiplies FP4 weights through a BF16
+    /// copy (`FP4_GEMV_MAX_TOKENS`).
+    fn dequantizes(&self, tokens: usize) -> bool {
+        self.numerics == Numerics::Fast && tokens > FP4_GEMV_MAX_TOKENS
+    }
+
+    /// Room for `elements` BF16 weights in the dequantization scratch.
+    fn reserve_dequant(&mut self, gpu: &Gpu, elements: usize) -> Result<(), GpuError> {
+        if elements > self.dequant.len() {
+            self.dequant = gpu.alloc(elements)?;
+            // Captured graphs point at the old buffer.
+            self.graphs.clear();
+        }
+        Ok(())
     }
 
     pub(crate) fn q_ptr(&self, gpu: &Gpu) -> DevPtr {

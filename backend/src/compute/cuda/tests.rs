@@ -430,44 +430,67 @@ fn paged_attention_matches_the_cpu_for_decode_and_prefill() {
 
 /// The FP4 GEMV (MXFP4 and NVFP4) against the CPU reference's dequantized
 /// weights times BF16 x: within 1e-3 relative (f32 sums in another order).
-/// Rows not a multiple of the 16-row tile, chunks not a multiple of the 4
-/// warps, rows of different magnitudes (different scales), 1 to 16 tokens.
+/// Rows not a multiple of the 16-row tile, chunks not a multiple of the 8
+/// warps, a partial last chunk (96 and 608 columns), rows of different
+/// magnitudes (different scales), two matrices stacked (each its own tensor
+/// scale), 1 to 64 tokens (several token blocks), into y and added to it.
+/// And the dequantization to BF16: each weight within one BF16 rounding.
 #[test]
 fn fp4_gemv_matches_the_cpu_reference() {
     use crate::compute::fp4::{Fp4Format, Fp4Matrix};
     let Some(gpu) = gpu() else { return };
-    for (rows, cols) in [(40, 640), (16, 128)] {
+    for (rows, cols) in [(40, 640), (16, 128), (24, 96), (8, 608)] {
         let w: Vec<f32> = values(rows * cols, 41)
             .iter()
             .enumerate()
             .map(|(i, v)| v * 2f32.powi((i / cols % 7) as i32 - 3))
             .collect();
         for format in [Fp4Format::Mxfp4, Fp4Format::Nvfp4] {
-            let m = Fp4Matrix::quantize(format, rows, cols, &w).unwrap();
-            let reference = m.dequantize();
-            let dw = super::fp4::Fp4Weights::upload(&gpu, &m).unwrap();
-            for n in [1usize, 5, 8, 11, 16] {
+            // The first half of the rows and the rest, quantized apart
+            // (NVFP4: two tensor scales), run as one.
+            let half = rows / 2;
+            let top = Fp4Matrix::quantize(format, half, cols, &w[..half * cols]).unwrap();
+            let bottom = Fp4Matrix::quantize(format, rows - half, cols, &w[half * cols..]).unwrap();
+            let mut reference = top.dequantize();
+            reference.extend(bottom.dequantize());
+            let dw = super::fp4::Fp4Weights::stack(&gpu, &[&top, &bottom]).unwrap();
+            for n in [1usize, 5, 8, 11, 16, 17, 40, 64] {
                 let x = from_bf16(&to_bf16(&values(n * cols, 50 + n as u64)));
                 let dx = gpu.upload(&to_bf16(&x)).unwrap();
-                let y = gpu.alloc::<f32>(n * rows).unwrap();
-                dw.gemv(&gpu, gpu.ptr(&dx, 0), gpu.ptr(&y, 0), n).unwrap();
+                let before = values(n * rows, 7);
+                let y = gpu.upload(&before).unwrap();
+                let accumulate = n % 2 == 1;
+                dw.gemv(&gpu, gpu.ptr(&dx, 0), gpu.ptr(&y, 0), n, accumulate)
+                    .unwrap();
                 let got = gpu.download(&y, n * rows).unwrap();
                 for (i, g) in got.iter().enumerate() {
                     let (j, r) = (i / rows, i % rows);
-                    let e = dot(
+                    let mut e = dot(
                         &reference[r * cols..(r + 1) * cols],
                         &x[j * cols..(j + 1) * cols],
                     );
+                    if accumulate {
+                        e += before[i];
+                    }
                     let scale = 2f32.powi((r % 7) as i32 - 3);
                     assert!(
-                        (g - e).abs() <= 1e-3 * e.abs().max(scale),
+                        (g - e).abs() <= 1e-3 * e.abs().max(scale).max(1.0),
                         "{format:?} {rows}x{cols} n={n} [{j}, {r}]: {g} vs {e}"
                     );
                 }
             }
+            let out = gpu.alloc::<u16>(rows * cols).unwrap();
+            dw.dequantize_into(&gpu, gpu.ptr(&out, 0)).unwrap();
+            let got = from_bf16(&gpu.download(&out, rows * cols).unwrap());
+            for (i, (g, e)) in got.iter().zip(&reference).enumerate() {
+                assert!(
+                    (g - e).abs() <= e.abs() / 256.0,
+                    "{format:?} dequantized [{i}]: {g} vs {e}"
+                );
+            }
         }
     }
-    // Columns that are not whole chunks are refused, not misread.
-    let m = Fp4Matrix::quantize(Fp4Format::Mxfp4, 2, 96, &values(192, 3)).unwrap();
+    // Columns that are not whole 32-column groups are refused, not misread.
+    let m = Fp4Matrix::quantize(Fp4Format::Nvfp4, 2, 48, &values(96, 3)).unwrap();
     assert!(super::fp4::Fp4Weights::upload(&gpu, &m).is_err());
 }
