@@ -1,6 +1,7 @@
 // FP4 weights (MXFP4, NVFP4): y[j, r] (+)= row_scale[r] * sum_c w[r, c] x[j, c]
 // for n tokens, BF16 activations, f32 out (added to y with `accumulate`,
-// for the residual stream). Built for decode (1 to 64 tokens). Weight-only
+// for the residual stream). Built for decode: a GEMV for up to 16 tokens a
+// block, a tiled GEMM for 17 to 64 (below). Weight-only
 // quantization on Hopper: the E2M1 codes are dequantized in registers and
 // multiplied on the BF16 tensor cores (mma.sync m16n8k16), so a step reads
 // 4.25 (MX) or 4.5 (NV) bits per weight instead of 16.
@@ -15,7 +16,8 @@
 // and read it from DRAM once); its warps split the columns in chunks of 128
 // (warp w takes chunks w, w + 8, ...), UNROLL chunks in flight; a row's last
 // chunk may be partial (cols a multiple of 32: a lane's 32 columns are all in
-// or all out). (With 4
+// or all out). Each chunk is dequantized once for all the block's tokens.
+// (With 4
 // warps the 384 blocks of an 8B model's qkv filled 0.48 waves of the H200's
 // SMs: 11 warps an SM, 20% of DRAM bandwidth under ncu.) In a chunk
 // lane (g = lane / 4, t = lane % 4) loads 16 bytes (32 codes) of rows g and
@@ -87,16 +89,98 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, u32 a0, u32 a1, u32 a2,
 
 __device__ __forceinline__ u32 word(uint4 v, int q) { return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w; }
 
-// One mma step (j = 2q + h) of a 16-row tile, codes of rows g and g + 8 in
-// words wa and wb, their scales (bf16x2) sa and sb, x's words xa (columns
-// 8q + 2h, +1) and xb (8q + 2h + 4, +5).
+// One lane's part of a 16-row x 128-column chunk: codes of rows g and g + 8
+// at columns 32t .. 32t + 31 (16 bytes each) and their scale bytes (MX: one
+// each; NV: two each, in a 16-bit load). Zeros where out of the matrix.
+template <bool NV>
+__device__ __forceinline__ void fp4_load(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
+                                         int ra, int rb, int rows, int cols, int k, bool in, uint4& wa, uint4& wb,
+                                         u32& sa, u32& sb) {
+    const u64 row_bytes = (u64)cols >> 1;
+    const int per_row_scales = cols / (NV ? 16 : 32);
+    in = in && k < cols;
+    const bool ina = in && ra < rows, inb = in && rb < rows;
+    wa = ina ? __ldg((const uint4*)(codes + ra * row_bytes + (k >> 1))) : make_uint4(0, 0, 0, 0);
+    wb = inb ? __ldg((const uint4*)(codes + rb * row_bytes + (k >> 1))) : make_uint4(0, 0, 0, 0);
+    if (NV) {
+        sa = ina ? __ldg((const unsigned short*)(scales + (u64)ra * per_row_scales + (k >> 4))) : 0u;
+        sb = inb ? __ldg((const unsigned short*)(scales + (u64)rb * per_row_scales + (k >> 4))) : 0u;
+    } else {
+        sa = ina ? __ldg(scales + (u64)ra * per_row_scales + (k >> 5)) : 0u;
+        sb = inb ? __ldg(scales + (u64)rb * per_row_scales + (k >> 5)) : 0u;
+    }
+}
+
+// A lane's block scales as bf16x2 words {rows g: columns 0-15, 16-31; rows
+// g + 8: the same} (NV has one per 16 columns; MX one per 32).
+template <bool NV>
+__device__ __forceinline__ void fp4_scale_words(u32 (&s)[4], u32 sa, u32 sb, int shift) {
+    if (NV) {
+        u32 v = e4m3_bf16(sa & 0xffu);
+        s[0] = v | (v << 16);
+        v = e4m3_bf16(sa >> 8);
+        s[1] = v | (v << 16);
+        v = e4m3_bf16(sb & 0xffu);
+        s[2] = v | (v << 16);
+        v = e4m3_bf16(sb >> 8);
+        s[3] = v | (v << 16);
+    } else {
+        u32 v = e8m0_bf16(sa, shift);
+        s[0] = s[1] = v | (v << 16);
+        v = e8m0_bf16(sb, shift);
+        s[2] = s[3] = v | (v << 16);
+    }
+}
+
+// Mma step j = 2q + h's A fragment: the codes {2h, 2h+4} of word q of rows g
+// (f[0], f[2]) and g + 8 (f[1], f[3]), times their block's scale.
 template <int H>
-__device__ __forceinline__ void fp4_step(float* c, u32 wa, u32 wb, u32 sa, u32 sb, u32 xa, u32 xb) {
-    const u32 a0 = mul_bf16x2(e2m1x2_bits<8 * H>(wa), sa);
-    const u32 a1 = mul_bf16x2(e2m1x2_bits<8 * H>(wb), sb);
-    const u32 a2 = mul_bf16x2(e2m1x2_bits<8 * H + 4>(wa), sa);
-    const u32 a3 = mul_bf16x2(e2m1x2_bits<8 * H + 4>(wb), sb);
-    mma_bf16_16816(c, a0, a1, a2, a3, __byte_perm(xa, xb, 0x5410), __byte_perm(xa, xb, 0x7632));
+__device__ __forceinline__ void fp4_frag(u32 (&f)[4], uint4 wa, uint4 wb, const u32 (&s)[4], int q) {
+    const u32 qa = word(wa, q), qb = word(wb, q), s_a = s[q >> 1], s_b = s[2 + (q >> 1)];
+    f[0] = mul_bf16x2(e2m1x2_bits<8 * H>(qa), s_a);
+    f[1] = mul_bf16x2(e2m1x2_bits<8 * H>(qb), s_b);
+    f[2] = mul_bf16x2(e2m1x2_bits<8 * H + 4>(qa), s_a);
+    f[3] = mul_bf16x2(e2m1x2_bits<8 * H + 4>(qb), s_b);
+}
+
+// Mma step 2q + h for one 8-token tile: x's words h and h + 2 of xq (columns
+// 32t + 8q .. + 7 of the lane's token g).
+__device__ __forceinline__ void fp4_mma(float* c, const u32 (&f)[4], uint4 xq, int h) {
+    const u32 xa = word(xq, h), xb = word(xq, h + 2);
+    mma_bf16_16816(c, f[0], f[1], f[2], f[3], __byte_perm(xa, xb, 0x5410), __byte_perm(xa, xb, 0x7632));
+}
+
+// A chunk's A fragments for all 8 steps, dequantized once for every token
+// tile (8 x 4 registers).
+template <bool NV>
+__device__ __forceinline__ void fp4_dequant(u32 (&a)[8][4], uint4 wa, uint4 wb, u32 sa, u32 sb, int shift) {
+    u32 s[4];
+    fp4_scale_words<NV>(s, sa, sb, shift);
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        fp4_frag<0>(a[2 * q], wa, wb, s, q);
+        fp4_frag<1>(a[2 * q + 1], wa, wb, s, q);
+    }
+}
+
+// The chunk's 8 mma steps for one 8-token tile, from dequantized fragments.
+__device__ __forceinline__ void fp4_mma_chunk(float* c, const u32 (&a)[8][4], const uint4 (&xv)[4]) {
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        fp4_mma(c, a[2 * q], xv[q], 0);
+        fp4_mma(c, a[2 * q + 1], xv[q], 1);
+    }
+}
+
+// Thread (lane, i) of an 8-token tile's accumulators: row g (i < 2) or g + 8,
+// token 2t + (i & 1).
+__device__ __forceinline__ void fp4_store(float* __restrict__ y, const float* __restrict__ row_scale, float s, int row,
+                                          int j, int n, int rows, float out_pow2, int accumulate) {
+    if (row < rows && j < n) {
+        const float v = s * out_pow2 * row_scale[row];
+        float* out = y + (u64)j * rows + row;
+        *out = accumulate ? *out + v : v;
+    }
 }
 
 template <bool NV, int NT, int UNROLL, int WARPS>
@@ -111,8 +195,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     x += (u64)tok0 * cols;
     y += (u64)tok0 * rows;
     n -= tok0;
-    const int chunks = (cols + 127) >> 7, per_row_scales = cols / (NV ? 16 : 32);
-    const u64 row_bytes = (u64)cols >> 1;
+    const int chunks = (cols + 127) >> 7;
     float acc[NT][4];
 #pragma unroll
     for (int i = 0; i < NT; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
@@ -121,54 +204,40 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
         u32 sa[UNROLL], sb[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; u++) {
-            const int c = c0 + WARPS * u, k = (c << 7) + 32 * t;
-            const bool in = c < chunks && k < cols;
-            wa[u] = in && ra < rows ? __ldg((const uint4*)(codes + ra * row_bytes + (k >> 1))) : make_uint4(0, 0, 0, 0);
-            wb[u] = in && rb < rows ? __ldg((const uint4*)(codes + rb * row_bytes + (k >> 1))) : make_uint4(0, 0, 0, 0);
-            if (NV) {
-                sa[u] = in && ra < rows ? __ldg((const unsigned short*)(scales + (u64)ra * per_row_scales + (k >> 4))) : 0u;
-                sb[u] = in && rb < rows ? __ldg((const unsigned short*)(scales + (u64)rb * per_row_scales + (k >> 4))) : 0u;
-            } else {
-                sa[u] = in && ra < rows ? __ldg(scales + (u64)ra * per_row_scales + (k >> 5)) : 0u;
-                sb[u] = in && rb < rows ? __ldg(scales + (u64)rb * per_row_scales + (k >> 5)) : 0u;
-            }
+            const int c = c0 + WARPS * u;
+            fp4_load<NV>(codes, scales, ra, rb, rows, cols, (c << 7) + 32 * t, c < chunks, wa[u], wb[u], sa[u], sb[u]);
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; u++) {
             const int c = c0 + WARPS * u, k = (c << 7) + 32 * t;
             if (c >= chunks) break;
-            // Scales as bf16x2: NV has one per 16 columns (words 0-1, 2-3).
-            u32 sa_lo, sa_hi, sb_lo, sb_hi;
-            if (NV) {
-                u32 v = e4m3_bf16(sa[u] & 0xffu);
-                sa_lo = v | (v << 16);
-                v = e4m3_bf16(sa[u] >> 8);
-                sa_hi = v | (v << 16);
-                v = e4m3_bf16(sb[u] & 0xffu);
-                sb_lo = v | (v << 16);
-                v = e4m3_bf16(sb[u] >> 8);
-                sb_hi = v | (v << 16);
-            } else {
-                u32 v = e8m0_bf16(sa[u], shift);
-                sa_lo = sa_hi = v | (v << 16);
-                v = e8m0_bf16(sb[u], shift);
-                sb_lo = sb_hi = v | (v << 16);
-            }
+            uint4 xv[NT][4];
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
                 const int j = nt * 8 + g;
-                uint4 xv[4];
 #pragma unroll
                 for (int i = 0; i < 4; i++)
-                    xv[i] = j < n && k < cols ? __ldg((const uint4*)(x + (u64)j * cols + k + 8 * i)) : make_uint4(0, 0, 0, 0);
+                    xv[nt][i] = j < n && k < cols ? __ldg((const uint4*)(x + (u64)j * cols + k + 8 * i))
+                                                  : make_uint4(0, 0, 0, 0);
+            }
+            if (NT == 1) {
+                // One tile: each step's fragment made just before its mma
+                // (fewer live registers; 8% faster at 1 token than below).
+                u32 s[4];
+                fp4_scale_words<NV>(s, sa[u], sb[u], shift);
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
-                    const u32 wqa = word(wa[u], q), wqb = word(wb[u], q);
-                    const u32 s_a = q < 2 ? sa_lo : sa_hi, s_b = q < 2 ? sb_lo : sb_hi;
-                    // x words of columns 8q + 0..7: word(xv[q], 0..3).
-                    fp4_step<0>(acc[nt], wqa, wqb, s_a, s_b, word(xv[q], 0), word(xv[q], 2));
-                    fp4_step<1>(acc[nt], wqa, wqb, s_a, s_b, word(xv[q], 1), word(xv[q], 3));
+                    u32 f[4];
+                    fp4_frag<0>(f, wa[u], wb[u], s, q);
+                    fp4_mma(acc[0], f, xv[0][q], 0);
+                    fp4_frag<1>(f, wa[u], wb[u], s, q);
+                    fp4_mma(acc[0], f, xv[0][q], 1);
                 }
+            } else {
+                u32 a[8][4];
+                fp4_dequant<NV>(a, wa[u], wb[u], sa[u], sb[u], shift);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) fp4_mma_chunk(acc[nt], a, xv[nt]);
             }
         }
     }
@@ -182,23 +251,15 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                // c0, c1: row g, tokens 2t, 2t + 1; c2, c3: row g + 8.
-                const int row = i < 2 ? ra : rb, j = nt * 8 + 2 * t + (i & 1);
                 float s = 0.0f;
 #pragma unroll
                 for (int w = 0; w < WARPS; w++) s += partial[w][nt][lane][i];
-                if (row < rows && j < n) {
-                    const float v = s * out_pow2 * row_scale[row];
-                    float* out = y + (u64)j * rows + row;
-                    *out = accumulate ? *out + v : v;
-                }
+                fp4_store(y, row_scale, s, i < 2 ? ra : rb, nt * 8 + 2 * t + (i & 1), n, rows, out_pow2, accumulate);
             }
     }
 }
 
-// cols a multiple of 32; 8 (n8) to 64 (n64) tokens a block: the block
-// dequantizes its weights once for all of them. (Blocks of 16 tokens side by
-// side, each dequantizing the same tile, ran batch 64 at a third of the rate.)
+// cols a multiple of 32; 8 (n8) or 16 (n16) tokens a block.
 #define FP4_ARGS const unsigned char *__restrict__ codes, const unsigned char *__restrict__ scales, \
                  const float *__restrict__ row_scale, const bf16 *__restrict__ x, float *__restrict__ y, int n, \
                  int rows, int cols, float out_pow2, int shift, int accumulate
@@ -208,10 +269,175 @@ extern "C" __global__ void __launch_bounds__(256) fp4_gemv_mx_n8(FP4_ARGS) { fp4
 extern "C" __global__ void __launch_bounds__(256) fp4_gemv_mx_n16(FP4_ARGS) { fp4_gemv<false, 2, 4, 8>(FP4_PASS); }
 extern "C" __global__ void __launch_bounds__(256) fp4_gemv_nv_n8(FP4_ARGS) { fp4_gemv<true, 1, 4, 8>(FP4_PASS); }
 extern "C" __global__ void __launch_bounds__(256) fp4_gemv_nv_n16(FP4_ARGS) { fp4_gemv<true, 2, 4, 8>(FP4_PASS); }
-extern "C" __global__ void __launch_bounds__(256) fp4_gemv_mx_n32(FP4_ARGS) { fp4_gemv<false, 4, 2, 8>(FP4_PASS); }
-extern "C" __global__ void __launch_bounds__(256) fp4_gemv_nv_n32(FP4_ARGS) { fp4_gemv<true, 4, 2, 8>(FP4_PASS); }
-extern "C" __global__ void __launch_bounds__(256) fp4_gemv_mx_n64(FP4_ARGS) { fp4_gemv<false, 8, 2, 8>(FP4_PASS); }
-extern "C" __global__ void __launch_bounds__(256) fp4_gemv_nv_n64(FP4_ARGS) { fp4_gemv<true, 8, 2, 8>(FP4_PASS); }
+
+// --- The tiled GEMM: 17 to 64 tokens (fast numerics) ---
+//
+// In the GEMV each 16-row block reads all of x again: at 64 tokens x's bytes
+// (2 a value) are 16 times the weights' (half a byte), and x's traffic from
+// L2 bounds it (batch 64 ran at 0.3 TB/s of weights). Here a block takes 128
+// rows (a 16-row tile per warp) and 64 tokens. Each 128-column chunk's x
+// (64 x 128), codes (128 rows x 64 bytes) and scales are copied to shared
+// memory by cp.async, GEMM_STAGES chunks in flight, then multiplied: x is
+// read from L2 once per 128 rows, and the loads run ahead of the math
+// without registers. blockIdx.z splits the columns (chunks [z * per_split,
+// ...)) so that matrices of few row tiles still fill the GPU; with more than
+// one split the partial sums go to `part` ([split][token][row]) and
+// fp4_splitk_sum adds them in split order. cols a multiple of 128 (whole
+// chunks; the scales' rows then stay 4- and 8-byte aligned).
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u64 a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
+}
+
+// Global -> shared, 16 (L2 only), 8 or 4 bytes; `bytes` 0 writes zeros and
+// reads nothing.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
+}
+
+#define GEMM_TOKENS 64
+#define GEMM_STAGES 4
+// A token's row of x in shared memory: 16 units of 16 bytes (8 columns) and 2
+// of padding, unit u stored at u ^ (u >> 3 & 1). A warp's 16-byte loads
+// (lane g, t reads unit 4t + i of token row g) then hit 8 distinct bank
+// groups in each quarter-warp: units i, 4+i, 8+i, 12+i of a row land on
+// groups {i, i+4, i^1, (i+4)^1} (mod 8), and the next row, 18 units on, on the
+// other four. (Unswizzled, lanes t and t + 2 shared a group: 2-way conflicts,
+// shared memory 77% busy under ncu at 0.47 TB/s of weights.)
+#define GEMM_XS (18 * 8)
+__device__ __forceinline__ int gemm_unit(int u) { return u ^ ((u >> 3) & 1); }
+
+// One stage: x, then the codes (row r's 64 bytes at 64 r: a quarter-warp's
+// 16-byte loads, rows g and g + 1 at 16 t, are conflict-free), then the
+// scales (8 bytes a row, of which MX uses 4).
+#define GEMM_X_BYTES (GEMM_TOKENS * GEMM_XS * 2)
+#define GEMM_STAGE_BYTES (GEMM_X_BYTES + 128 * 64 + 128 * 8)
+
+template <bool NV>
+__device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
+                                         const float* __restrict__ row_scale, const bf16* __restrict__ x,
+                                         float* __restrict__ y, float* __restrict__ part, int n, int rows, int cols,
+                                         float out_pow2, int shift, int accumulate, int per_split) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.y * 128, ra = row0 + warp * 16 + g, rb = ra + 8;
+    const int tok0 = blockIdx.x * GEMM_TOKENS, here = min(GEMM_TOKENS, n - tok0);
+    const int chunks = cols >> 7, first = blockIdx.z * per_split, last = min(chunks, first + per_split);
+    const bf16* xb = x + (u64)tok0 * cols;
+    const u64 row_bytes = (u64)cols >> 1;
+    const int per_row_scales = cols / (NV ? 16 : 32);
+
+    // The block's 256 threads copy chunk c into stage `st`.
+    auto load = [&](int st, int c) {
+        unsigned char* base = smem + st * GEMM_STAGE_BYTES;
+        bf16* xs = (bf16*)base;
+#pragma unroll
+        for (int i = threadIdx.x; i < GEMM_TOKENS * 16; i += 256) {
+            const int tok = i >> 4, col = (c << 7) + (i & 15) * 8;
+            const bool in = tok < here;
+            cp_async16(xs + tok * GEMM_XS + gemm_unit(i & 15) * 8, in ? xb + (u64)tok * cols + col : xb, in ? 16 : 0);
+        }
+        unsigned char* cs = base + GEMM_X_BYTES;
+#pragma unroll
+        for (int i = threadIdx.x; i < 128 * 4; i += 256) {
+            const int r = i >> 2, row = row0 + r;
+            const bool in = row < rows;
+            cp_async16(cs + r * 64 + (i & 3) * 16, in ? codes + row * row_bytes + (c << 6) + (i & 3) * 16 : codes,
+                       in ? 16 : 0);
+        }
+        unsigned char* ss = cs + 128 * 64;
+        if (threadIdx.x < 128) {
+            const int row = row0 + threadIdx.x;
+            const bool in = row < rows;
+            if (NV)
+                cp_async8(ss + threadIdx.x * 8, in ? scales + (u64)row * per_row_scales + (c << 3) : scales, in ? 8 : 0);
+            else
+                cp_async4(ss + threadIdx.x * 8, in ? scales + (u64)row * per_row_scales + (c << 2) : scales, in ? 4 : 0);
+        }
+    };
+
+    float acc[GEMM_TOKENS / 8][4];
+#pragma unroll
+    for (int i = 0; i < GEMM_TOKENS / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    // Every iteration commits one group (empty past the end), so that
+    // "all but the newest GEMM_STAGES - 2" always means "chunk c is in".
+#pragma unroll
+    for (int s = 0; s < GEMM_STAGES - 1; s++) {
+        if (first + s < last) load(s, first + s);
+        asm volatile("cp.async.commit_group;");
+    }
+    for (int c = first; c < last; c++) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(GEMM_STAGES - 2));
+        __syncthreads();  // chunk c is in; every warp is done with chunk c - 1
+        const int ahead = c + GEMM_STAGES - 1;
+        if (ahead < last) load((ahead - first) % GEMM_STAGES, ahead);
+        asm volatile("cp.async.commit_group;");
+
+        const unsigned char* base = smem + ((c - first) % GEMM_STAGES) * GEMM_STAGE_BYTES;
+        const unsigned char* cs = base + GEMM_X_BYTES;
+        const unsigned char* ss = cs + 128 * 64;
+        const int la = warp * 16 + g, lb = la + 8;
+        const uint4 wa = *(const uint4*)(cs + la * 64 + 16 * t), wb = *(const uint4*)(cs + lb * 64 + 16 * t);
+        u32 sa, sb;
+        if (NV) {
+            sa = *(const unsigned short*)(ss + la * 8 + 2 * t);
+            sb = *(const unsigned short*)(ss + lb * 8 + 2 * t);
+        } else {
+            sa = ss[la * 8 + t];
+            sb = ss[lb * 8 + t];
+        }
+        u32 a[8][4];
+        fp4_dequant<NV>(a, wa, wb, sa, sb, shift);
+        const bf16* xs = (const bf16*)base;
+#pragma unroll
+        for (int nt = 0; nt < GEMM_TOKENS / 8; nt++) {
+            uint4 xv[4];
+            const bf16* row = xs + (nt * 8 + g) * GEMM_XS;
+#pragma unroll
+            for (int i = 0; i < 4; i++) xv[i] = *(const uint4*)(row + gemm_unit(4 * t + i) * 8);
+            fp4_mma_chunk(acc[nt], a, xv);
+        }
+    }
+    asm volatile("cp.async.wait_group 0;");
+#pragma unroll
+    for (int nt = 0; nt < GEMM_TOKENS / 8; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int row = i < 2 ? ra : rb, j = tok0 + nt * 8 + 2 * t + (i & 1);
+            if (gridDim.z == 1)
+                fp4_store(y, row_scale, acc[nt][i], row, j, n, rows, out_pow2, accumulate);
+            else if (row < rows && j < n)
+                part[((u64)blockIdx.z * n + j) * rows + row] = acc[nt][i];
+        }
+}
+
+#define FP4_GEMM_ARGS const unsigned char *__restrict__ codes, const unsigned char *__restrict__ scales, \
+                      const float *__restrict__ row_scale, const bf16 *__restrict__ x, float *__restrict__ y, \
+                      float *__restrict__ part, int n, int rows, int cols, float out_pow2, int shift, int accumulate, \
+                      int per_split
+#define FP4_GEMM_PASS codes, scales, row_scale, x, y, part, n, rows, cols, out_pow2, shift, accumulate, per_split
+extern "C" __global__ void __launch_bounds__(256) fp4_gemm_mx(FP4_GEMM_ARGS) { fp4_gemm<false>(FP4_GEMM_PASS); }
+extern "C" __global__ void __launch_bounds__(256) fp4_gemm_nv(FP4_GEMM_ARGS) { fp4_gemm<true>(FP4_GEMM_PASS); }
+
+// y[j, r] (+)= row_scale[r] * out_pow2 * sum over splits of part[s, j, r].
+extern "C" __global__ void fp4_splitk_sum(const float* __restrict__ part, int splits, const float* __restrict__ row_scale,
+                                          float out_pow2, float* __restrict__ y, int n, int rows, int accumulate) {
+    const u64 total = (u64)n * rows;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        float s = 0.0f;
+        for (int z = 0; z < splits; z++) s += part[(u64)z * total + i];
+        const float v = s * out_pow2 * row_scale[i % rows];
+        y[i] = accumulate ? y[i] + v : v;
+    }
+}
 
 // The weights as BF16 (for the GEMMs of many tokens): out[r, c] =
 // E2M1 * scale * row_scale[r], with the scales' true values (no 2^126 trick).

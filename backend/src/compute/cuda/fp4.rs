@@ -20,6 +20,15 @@ pub const FP4_COLS_MULTIPLE: usize = 32;
 /// Warps per block of the kernels (`fp4.cu`'s WARPS).
 const FP4_WARPS: u32 = 8;
 
+/// Tokens a GEMM block takes (`fp4.cu`'s GEMM_TOKENS) and rows (a 16-row
+/// tile per warp).
+const GEMM_TOKENS: usize = 64;
+const GEMM_ROWS: usize = 16 * FP4_WARPS as usize;
+/// The GEMM's dynamic shared memory: GEMM_STAGES stages of x (64 tokens x
+/// 144 padded columns of BF16), codes (128 rows x 64 bytes) and scales (128 x
+/// 8 bytes).
+const GEMM_SMEM: u32 = 4 * (64 * 144 * 2 + 128 * 64 + 128 * 8);
+
 /// One FP4 matrix (or several stacked by rows) on the device.
 #[derive(Debug)]
 pub struct Fp4Weights {
@@ -169,14 +178,8 @@ impl Fp4Weights {
         if n == 0 {
             return Ok(());
         }
-        // The smallest kernel that takes every token in one block; blocks of
-        // 64 tokens past that.
-        let per_block = match n {
-            1..=8 => 8,
-            9..=16 => 16,
-            17..=32 => 32,
-            _ => 64,
-        };
+        // 8 tokens a block when that is all; else 16.
+        let per_block = if n <= 8 { 8 } else { 16 };
         let name = match self.format {
             Fp4Format::Mxfp4 => format!("fp4_gemv_mx_n{per_block}"),
             Fp4Format::Nvfp4 => format!("fp4_gemv_nv_n{per_block}"),
@@ -215,6 +218,97 @@ impl Fp4Weights {
         )
     }
 
+    /// How the tiled GEMM splits the columns for `n` tokens on `sm_count`
+    /// SMs: (splits, chunks per split), enough blocks for two a SM.
+    fn gemm_splits(&self, n: usize, sm_count: u32) -> (usize, usize) {
+        let chunks = self.cols.div_ceil(128);
+        let blocks = self.rows.div_ceil(GEMM_ROWS) * n.div_ceil(GEMM_TOKENS);
+        let wanted = (2 * sm_count as usize).div_ceil(blocks).clamp(1, chunks);
+        let per_split = chunks.div_ceil(wanted);
+        (chunks.div_ceil(per_split), per_split)
+    }
+
+    /// f32s of partial sums [`Fp4Weights::gemm`] needs for `n` tokens.
+    pub fn gemm_scratch(&self, n: usize, sm_count: u32) -> usize {
+        if !self.cols.is_multiple_of(128) {
+            return 0;
+        }
+        match self.gemm_splits(n, sm_count) {
+            (1, _) => 0,
+            (splits, _) => splits * n * self.rows,
+        }
+    }
+
+    /// As [`Fp4Weights::gemv`], through the tiled GEMM (for 17 to 64 tokens:
+    /// x staged in shared memory once per 128 rows); `part` holds
+    /// `gemm_scratch(n)` f32s. Sums in another order than the GEMV's. The
+    /// GEMM takes whole 128-column chunks; other matrices go to the GEMV.
+    pub fn gemm(
+        &self,
+        gpu: &Gpu,
+        x: DevPtr,
+        y: DevPtr,
+        part: DevPtr,
+        n: usize,
+        accumulate: bool,
+    ) -> Result<(), GpuError> {
+        if n == 0 {
+            return Ok(());
+        }
+        if !self.cols.is_multiple_of(128) {
+            return self.gemv(gpu, x, y, n, accumulate);
+        }
+        let (splits, per_split) = self.gemm_splits(n, gpu.sm_count);
+        let name = match self.format {
+            Fp4Format::Mxfp4 => "fp4_gemm_mx",
+            Fp4Format::Nvfp4 => "fp4_gemm_nv",
+        };
+        let blocks = (
+            n.div_ceil(GEMM_TOKENS) as u32,
+            self.rows.div_ceil(GEMM_ROWS) as u32,
+            splits as u32,
+        );
+        // SAFETY: as gemv; with splits > 1 the kernel writes splits * n *
+        // rows f32s at `part` (the caller's gemm_scratch) and the sum reads
+        // them back.
+        gpu.launch(
+            name,
+            grid(blocks, FP4_WARPS * 32, GEMM_SMEM),
+            &[
+                &gpu.ptr(&self.codes, 0),
+                &gpu.ptr(&self.scales, 0),
+                &gpu.ptr(&self.row_scale, 0),
+                &x,
+                &y,
+                &part,
+                &(n as i32),
+                &(self.rows as i32),
+                &(self.cols as i32),
+                &self.out_pow2(),
+                &self.shift,
+                &i32::from(accumulate),
+                &(per_split as i32),
+            ],
+        )?;
+        if splits > 1 {
+            gpu.launch(
+                "fp4_splitk_sum",
+                elementwise(n * self.rows),
+                &[
+                    &part,
+                    &(splits as i32),
+                    &gpu.ptr(&self.row_scale, 0),
+                    &self.out_pow2(),
+                    &y,
+                    &(n as i32),
+                    &(self.rows as i32),
+                    &i32::from(accumulate),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
     /// Writes the weights as BF16 (rows x cols) at `out`.
     pub fn dequantize_into(&self, gpu: &Gpu, out: DevPtr) -> Result<(), GpuError> {
         // SAFETY: `out` has room for rows * cols BF16 values (the caller's).
@@ -234,8 +328,16 @@ impl Fp4Weights {
     }
 }
 
-/// The token counts [`fp4_sweep`] measures.
+/// The token counts [`fp4_sweep`] measures (the GEMV up to
+/// FP4_GEMV_MAX_TOKENS, the tiled GEMM past it).
 pub const FP4_SWEEP_TOKENS: [usize; 4] = [1, 8, 16, 64];
+
+/// Up to this many tokens a step multiplies FP4 weights with the GEMV; the
+/// tiled GEMM takes up to FP4_GEMM_MAX_TOKENS (fast numerics; the
+/// batch-invariant ones keep the GEMV, whose sums do not depend on the
+/// batch); past that, fast steps multiply a BF16 copy with cuBLAS.
+pub const FP4_GEMV_MAX_TOKENS: usize = 16;
+pub const FP4_GEMM_MAX_TOKENS: usize = GEMM_TOKENS;
 
 /// One line of [`fp4_sweep`].
 #[derive(Clone, Debug, Serialize)]
@@ -245,6 +347,8 @@ pub struct Fp4Figure {
     pub cols: usize,
     pub format: &'static str,
     pub tokens: usize,
+    /// "gemv" or "gemm".
+    pub kernel: &'static str,
     /// One matrix, median, every copy's launch replayed from one CUDA graph
     /// (as a decode step runs).
     pub us: f64,
@@ -292,10 +396,16 @@ pub fn fp4_sweep(
             for _ in 1..copies {
                 all.push(all[0].duplicate(gpu)?);
             }
+            let part = gpu.alloc::<f32>(all[0].gemm_scratch(64, gpu.sm_count).max(1))?;
             for tokens in FP4_SWEEP_TOKENS {
                 let launch_all = || -> Result<(), GpuError> {
+                    let (xp, yp) = (gpu.ptr(&x, 0), gpu.ptr(&y, 0));
                     for w in &all {
-                        w.gemv(gpu, gpu.ptr(&x, 0), gpu.ptr(&y, 0), tokens, false)?;
+                        if tokens <= FP4_GEMV_MAX_TOKENS {
+                            w.gemv(gpu, xp, yp, tokens, false)?;
+                        } else {
+                            w.gemm(gpu, xp, yp, gpu.ptr(&part, 0), tokens, false)?;
+                        }
                     }
                     Ok(())
                 };
@@ -336,6 +446,11 @@ pub fn fp4_sweep(
                         Fp4Format::Nvfp4 => "nvfp4",
                     },
                     tokens,
+                    kernel: if tokens <= FP4_GEMV_MAX_TOKENS {
+                        "gemv"
+                    } else {
+                        "gemm"
+                    },
                     us: t * 1e6,
                     gb_s: all[0].bytes() as f64 / t / 1e9,
                     direct_gb_s: all[0].bytes() as f64 / direct / 1e9,

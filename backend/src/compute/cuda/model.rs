@@ -14,7 +14,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaGraph, CudaSlice};
 
 use super::device::{DevPtr, GEMM_ROW_TILE, Gpu, GpuError, elementwise, grid};
-use super::fp4::{FP4_COLS_MULTIPLE, Fp4Weights};
+use super::fp4::{FP4_COLS_MULTIPLE, FP4_GEMM_MAX_TOKENS, FP4_GEMV_MAX_TOKENS, Fp4Weights};
 use crate::compute::cpu::{Quant, Weight};
 use crate::compute::fp4::{Fp4Format, Fp4Matrix};
 use crate::model::{Llama, LlamaConfig, SeqChunk, WeightFormat};
@@ -32,12 +32,6 @@ fn attention_smem(head_dim: usize, rows: usize) -> u32 {
         + KEY_TILE * (head_dim + 2) * 2
         + KEY_TILE * head_dim * 2) as u32
 }
-
-/// Up to this many tokens, FP4 weights are multiplied as they are (the FP4
-/// GEMV, which reads each weight tile once for every token of the step); in
-/// `Numerics::Fast`, more tokens (prefill) multiply a BF16 copy made for the
-/// step with cuBLAS. Batch-invariant steps always take the FP4 kernel.
-pub const FP4_GEMV_MAX_TOKENS: usize = 64;
 
 /// A linear layer's weights (rows x cols, row-major).
 #[derive(Debug)]
@@ -307,16 +301,30 @@ impl CudaLlama {
         .collect()
     }
 
-    /// Elements of the largest FP4 layer matrix (0 without FP4 layers): the
-    /// BF16 scratch a many-token step dequantizes into.
-    fn largest_fp4(&self) -> usize {
+    /// The FP4 layer matrices.
+    fn fp4_matrices(&self) -> impl Iterator<Item = &Fp4Weights> {
         self.layers
             .iter()
             .flat_map(|l| [&l.wqkv, &l.wo, &l.w_gate_up, &l.w_down])
-            .map(|w| match w {
-                Linear::Fp4(f) => f.rows * f.cols,
-                Linear::Bf16(_) => 0,
+            .filter_map(|w| match w {
+                Linear::Fp4(f) => Some(f),
+                Linear::Bf16(_) => None,
             })
+    }
+
+    /// Elements of the largest FP4 layer matrix (0 without FP4 layers): the
+    /// BF16 scratch a many-token step dequantizes into.
+    fn largest_fp4(&self) -> usize {
+        self.fp4_matrices()
+            .map(|f| f.rows * f.cols)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// f32s of partial sums the FP4 GEMM needs at most for `n` tokens.
+    fn fp4_gemm_scratch(&self, n: usize) -> usize {
+        self.fp4_matrices()
+            .map(|f| f.gemm_scratch(n, self.gpu.sm_count))
             .max()
             .unwrap_or(0)
     }
@@ -364,8 +372,10 @@ impl CudaLlama {
             return Ok(Vec::new());
         }
         ws.reserve(gpu, c, n, m, plan.decode_splits)?;
-        if ws.dequantizes(n) {
-            ws.reserve_dequant(gpu, self.largest_fp4())?;
+        match ws.fp4_path(n) {
+            Fp4Path::Gemv => {}
+            Fp4Path::Gemm => ws.reserve_fp4_part(gpu, self.fp4_gemm_scratch(n))?,
+            Fp4Path::Dequantize => ws.reserve_dequant(gpu, self.largest_fp4())?,
         }
         let meta = plan.upload(gpu, &mut ws.meta)?;
         if meta.grown {
@@ -448,14 +458,15 @@ impl CudaLlama {
             Numerics::BatchInvariant => gpu.gemm_bf16(w, x, y, n, rows, cols, accumulate),
             Numerics::Fast => gpu.gemm_bf16_fast(w, x, y, n, rows, cols, accumulate),
         };
-        let linear = |w: &Linear, x, y, rows, cols, accumulate| match w {
-            Linear::Bf16(w) => gemm(b(w), x, y, n, rows, cols, accumulate),
-            Linear::Fp4(w) if ws.dequantizes(n) => {
+        let linear = |w: &Linear, x, y, rows, cols, accumulate| match (w, ws.fp4_path(n)) {
+            (Linear::Bf16(w), _) => gemm(b(w), x, y, n, rows, cols, accumulate),
+            (Linear::Fp4(w), Fp4Path::Gemv) => w.gemv(gpu, x, y, n, accumulate),
+            (Linear::Fp4(w), Fp4Path::Gemm) => w.gemm(gpu, x, y, p(&ws.fp4_part), n, accumulate),
+            (Linear::Fp4(w), Fp4Path::Dequantize) => {
                 let scratch = b(&ws.dequant);
                 w.dequantize_into(gpu, scratch)?;
                 gpu.gemm_bf16_fast(scratch, x, y, n, rows, cols, accumulate)
             }
-            Linear::Fp4(w) => w.gemv(gpu, x, y, n, accumulate),
         };
 
         // SAFETY (all launches): the buffers were sized by `reserve` for n
@@ -776,6 +787,16 @@ pub struct Workspace {
     meta: CudaSlice<i32>,
     /// BF16 scratch for one FP4 matrix (steps of many tokens, fast numerics).
     dequant: CudaSlice<Bf16>,
+    /// Partial sums of the FP4 GEMM's column splits.
+    fp4_part: CudaSlice<f32>,
+}
+
+/// How a step multiplies FP4 weights (`Workspace::fp4_path`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fp4Path {
+    Gemv,
+    Gemm,
+    Dequantize,
 }
 
 impl std::fmt::Debug for Workspace {
@@ -811,13 +832,30 @@ impl Workspace {
             part_ml: gpu.alloc(1)?,
             meta: gpu.alloc(1)?,
             dequant: gpu.alloc(1)?,
+            fp4_part: gpu.alloc(1)?,
         })
     }
 
-    /// Whether a step of `tokens` multiplies FP4 weights through a BF16
-    /// copy (`FP4_GEMV_MAX_TOKENS`).
-    fn dequantizes(&self, tokens: usize) -> bool {
-        self.numerics == Numerics::Fast && tokens > FP4_GEMV_MAX_TOKENS
+    /// How a step of `tokens` multiplies FP4 weights: batch-invariant steps
+    /// always by the GEMV (its sums do not depend on the batch); fast ones
+    /// by the GEMV, the tiled GEMM or a BF16 copy and cuBLAS, by size.
+    fn fp4_path(&self, tokens: usize) -> Fp4Path {
+        match self.numerics {
+            Numerics::BatchInvariant => Fp4Path::Gemv,
+            Numerics::Fast if tokens <= FP4_GEMV_MAX_TOKENS => Fp4Path::Gemv,
+            Numerics::Fast if tokens <= FP4_GEMM_MAX_TOKENS => Fp4Path::Gemm,
+            Numerics::Fast => Fp4Path::Dequantize,
+        }
+    }
+
+    /// Room for `floats` partial sums of the FP4 GEMM.
+    fn reserve_fp4_part(&mut self, gpu: &Gpu, floats: usize) -> Result<(), GpuError> {
+        if floats > self.fp4_part.len() {
+            self.fp4_part = gpu.alloc(floats)?;
+            // Captured graphs point at the old buffer.
+            self.graphs.clear();
+        }
+        Ok(())
     }
 
     /// Room for `elements` BF16 weights in the dequantization scratch.

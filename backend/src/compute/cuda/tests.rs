@@ -433,8 +433,10 @@ fn paged_attention_matches_the_cpu_for_decode_and_prefill() {
 /// Rows not a multiple of the 16-row tile, chunks not a multiple of the 8
 /// warps, a partial last chunk (96 and 608 columns), rows of different
 /// magnitudes (different scales), two matrices stacked (each its own tensor
-/// scale), 1 to 64 tokens (several token blocks), into y and added to it.
-/// And the dequantization to BF16: each weight within one BF16 rounding.
+/// scale), 1 to 64 tokens (several token blocks), into y and added to it;
+/// the same through the tiled GEMM (1 to 100 tokens, one column split and
+/// many). And the dequantization to BF16: each weight within one BF16
+/// rounding.
 #[test]
 fn fp4_gemv_matches_the_cpu_reference() {
     use crate::compute::fp4::{Fp4Format, Fp4Matrix};
@@ -454,14 +456,26 @@ fn fp4_gemv_matches_the_cpu_reference() {
             let mut reference = top.dequantize();
             reference.extend(bottom.dequantize());
             let dw = super::fp4::Fp4Weights::stack(&gpu, &[&top, &bottom]).unwrap();
-            for n in [1usize, 5, 8, 11, 16, 17, 40, 64] {
+            for (n, gemm) in [1usize, 5, 8, 11, 16, 17, 40, 64]
+                .into_iter()
+                .flat_map(|n| [(n, false), (n, true)])
+                .chain([(100, true)])
+            {
                 let x = from_bf16(&to_bf16(&values(n * cols, 50 + n as u64)));
                 let dx = gpu.upload(&to_bf16(&x)).unwrap();
                 let before = values(n * rows, 7);
                 let y = gpu.upload(&before).unwrap();
                 let accumulate = n % 2 == 1;
-                dw.gemv(&gpu, gpu.ptr(&dx, 0), gpu.ptr(&y, 0), n, accumulate)
-                    .unwrap();
+                let (xp, yp) = (gpu.ptr(&dx, 0), gpu.ptr(&y, 0));
+                if gemm {
+                    let part = gpu
+                        .alloc::<f32>(dw.gemm_scratch(n, gpu.sm_count).max(1))
+                        .unwrap();
+                    dw.gemm(&gpu, xp, yp, gpu.ptr(&part, 0), n, accumulate)
+                        .unwrap();
+                } else {
+                    dw.gemv(&gpu, xp, yp, n, accumulate).unwrap();
+                }
                 let got = gpu.download(&y, n * rows).unwrap();
                 for (i, g) in got.iter().enumerate() {
                     let (j, r) = (i / rows, i % rows);
@@ -475,7 +489,7 @@ fn fp4_gemv_matches_the_cpu_reference() {
                     let scale = 2f32.powi((r % 7) as i32 - 3);
                     assert!(
                         (g - e).abs() <= 1e-3 * e.abs().max(scale).max(1.0),
-                        "{format:?} {rows}x{cols} n={n} [{j}, {r}]: {g} vs {e}"
+                        "{format:?} {rows}x{cols} n={n} gemm={gemm} [{j}, {r}]: {g} vs {e}"
                     );
                 }
             }
