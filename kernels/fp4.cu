@@ -177,9 +177,11 @@ __device__ __forceinline__ void fp4_mma_chunk(float* c, const u32 (&a)[8][4], co
 __device__ __forceinline__ void fp4_store(float* __restrict__ y, const float* __restrict__ row_scale, float s, int row,
                                           int j, int n, int rows, float out_pow2, int accumulate) {
     if (row < rows && j < n) {
-        const float v = s * out_pow2 * row_scale[row];
+        // Rounded steps (no fused multiply-add), as in fp4_splitk_sum: the
+        // GEMV and the GEMM in GEMV order must agree to the bit.
+        const float v = __fmul_rn(__fmul_rn(s, out_pow2), row_scale[row]);
         float* out = y + (u64)j * rows + row;
-        *out = accumulate ? *out + v : v;
+        *out = accumulate ? __fadd_rn(*out, v) : v;
     }
 }
 
@@ -279,9 +281,12 @@ extern "C" __global__ void __launch_bounds__(256) fp4_gemv_nv_n16(FP4_ARGS) { fp
 // (64 x 128), codes (128 rows x 64 bytes) and scales are copied to shared
 // memory by cp.async, GEMM_STAGES chunks in flight, then multiplied: x is
 // read from L2 once per 128 rows, and the loads run ahead of the math
-// without registers. blockIdx.z splits the columns (chunks [z * per_split,
-// ...)) so that matrices of few row tiles still fill the GPU; with more than
-// one split the partial sums go to `part` ([split][token][row]) and
+// without registers. blockIdx.z splits the columns so that matrices of few
+// row tiles still fill the GPU: split z takes chunks z * per_split, + 1, ...
+// (step 1), or z, z + step, ... (step > 1). With step 8 = WARPS and 8 splits a
+// token's sums are the GEMV's to the bit: the same chunks in the same order
+// per split as per GEMV warp, the splits added in the same order. With more
+// than one split the partial sums go to `part` ([split][token][row]) and
 // fp4_splitk_sum adds them in split order. cols a multiple of 128 (whole
 // chunks; the scales' rows then stay 4- and 8-byte aligned).
 
@@ -325,12 +330,15 @@ template <bool NV>
 __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
                                          const float* __restrict__ row_scale, const bf16* __restrict__ x,
                                          float* __restrict__ y, float* __restrict__ part, int n, int rows, int cols,
-                                         float out_pow2, int shift, int accumulate, int per_split) {
+                                         float out_pow2, int shift, int accumulate, int per_split, int step) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.y * 128, ra = row0 + warp * 16 + g, rb = ra + 8;
     const int tok0 = blockIdx.x * GEMM_TOKENS, here = min(GEMM_TOKENS, n - tok0);
-    const int chunks = cols >> 7, first = blockIdx.z * per_split, last = min(chunks, first + per_split);
+    const int chunks = cols >> 7, z = blockIdx.z;
+    // This split's chunks: first + step * i for i < count.
+    const int first = step == 1 ? z * per_split : z;
+    const int count = step == 1 ? max(0, min(chunks, first + per_split) - first) : max(0, (chunks - z + step - 1) / step);
     const bf16* xb = x + (u64)tok0 * cols;
     const u64 row_bytes = (u64)cols >> 1;
     const int per_row_scales = cols / (NV ? 16 : 32);
@@ -368,20 +376,20 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
 #pragma unroll
     for (int i = 0; i < GEMM_TOKENS / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     // Every iteration commits one group (empty past the end), so that
-    // "all but the newest GEMM_STAGES - 2" always means "chunk c is in".
+    // "all but the newest GEMM_STAGES - 2" always means "chunk `it` is in".
 #pragma unroll
     for (int s = 0; s < GEMM_STAGES - 1; s++) {
-        if (first + s < last) load(s, first + s);
+        if (s < count) load(s, first + step * s);
         asm volatile("cp.async.commit_group;");
     }
-    for (int c = first; c < last; c++) {
+    for (int it = 0; it < count; it++) {
         asm volatile("cp.async.wait_group %0;" ::"n"(GEMM_STAGES - 2));
-        __syncthreads();  // chunk c is in; every warp is done with chunk c - 1
-        const int ahead = c + GEMM_STAGES - 1;
-        if (ahead < last) load((ahead - first) % GEMM_STAGES, ahead);
+        __syncthreads();  // chunk `it` is in; every warp is done with `it - 1`
+        const int ahead = it + GEMM_STAGES - 1;
+        if (ahead < count) load(ahead % GEMM_STAGES, first + step * ahead);
         asm volatile("cp.async.commit_group;");
 
-        const unsigned char* base = smem + ((c - first) % GEMM_STAGES) * GEMM_STAGE_BYTES;
+        const unsigned char* base = smem + (it % GEMM_STAGES) * GEMM_STAGE_BYTES;
         const unsigned char* cs = base + GEMM_X_BYTES;
         const unsigned char* ss = cs + 128 * 64;
         const int la = warp * 16 + g, lb = la + 8;
@@ -422,8 +430,8 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
 #define FP4_GEMM_ARGS const unsigned char *__restrict__ codes, const unsigned char *__restrict__ scales, \
                       const float *__restrict__ row_scale, const bf16 *__restrict__ x, float *__restrict__ y, \
                       float *__restrict__ part, int n, int rows, int cols, float out_pow2, int shift, int accumulate, \
-                      int per_split
-#define FP4_GEMM_PASS codes, scales, row_scale, x, y, part, n, rows, cols, out_pow2, shift, accumulate, per_split
+                      int per_split, int step
+#define FP4_GEMM_PASS codes, scales, row_scale, x, y, part, n, rows, cols, out_pow2, shift, accumulate, per_split, step
 extern "C" __global__ void __launch_bounds__(256) fp4_gemm_mx(FP4_GEMM_ARGS) { fp4_gemm<false>(FP4_GEMM_PASS); }
 extern "C" __global__ void __launch_bounds__(256) fp4_gemm_nv(FP4_GEMM_ARGS) { fp4_gemm<true>(FP4_GEMM_PASS); }
 
@@ -434,8 +442,8 @@ extern "C" __global__ void fp4_splitk_sum(const float* __restrict__ part, int sp
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         float s = 0.0f;
         for (int z = 0; z < splits; z++) s += part[(u64)z * total + i];
-        const float v = s * out_pow2 * row_scale[i % rows];
-        y[i] = accumulate ? y[i] + v : v;
+        const float v = __fmul_rn(__fmul_rn(s, out_pow2), row_scale[i % rows]);
+        y[i] = accumulate ? __fadd_rn(y[i], v) : v;
     }
 }
 

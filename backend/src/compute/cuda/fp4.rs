@@ -29,6 +29,16 @@ const GEMM_ROWS: usize = 16 * FP4_WARPS as usize;
 /// 8 bytes).
 const GEMM_SMEM: u32 = 4 * (64 * 144 * 2 + 128 * 64 + 128 * 8);
 
+/// The order in which the tiled GEMM sums a token's products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SumOrder {
+    /// The GEMV's (batch-invariant numerics: the same bits whichever kernel
+    /// a step's size picks).
+    AsGemv,
+    /// Whatever fills the GPU best.
+    Fastest,
+}
+
 /// One FP4 matrix (or several stacked by rows) on the device.
 #[derive(Debug)]
 pub struct Fp4Weights {
@@ -219,30 +229,37 @@ impl Fp4Weights {
     }
 
     /// How the tiled GEMM splits the columns for `n` tokens on `sm_count`
-    /// SMs: (splits, chunks per split), enough blocks for two a SM.
-    fn gemm_splits(&self, n: usize, sm_count: u32) -> (usize, usize) {
+    /// SMs: (splits, chunks per split, step; `fp4.cu`'s fp4_gemm).
+    fn gemm_splits(&self, n: usize, sm_count: u32, order: SumOrder) -> (usize, usize, usize) {
+        if order == SumOrder::AsGemv {
+            // Split w takes the chunks GEMV warp w takes, in its order.
+            return (FP4_WARPS as usize, 0, FP4_WARPS as usize);
+        }
+        // Enough blocks for two a SM, in runs of whole chunks.
         let chunks = self.cols.div_ceil(128);
         let blocks = self.rows.div_ceil(GEMM_ROWS) * n.div_ceil(GEMM_TOKENS);
         let wanted = (2 * sm_count as usize).div_ceil(blocks).clamp(1, chunks);
         let per_split = chunks.div_ceil(wanted);
-        (chunks.div_ceil(per_split), per_split)
+        (chunks.div_ceil(per_split), per_split, 1)
     }
 
     /// f32s of partial sums [`Fp4Weights::gemm`] needs for `n` tokens.
-    pub fn gemm_scratch(&self, n: usize, sm_count: u32) -> usize {
+    pub fn gemm_scratch(&self, n: usize, sm_count: u32, order: SumOrder) -> usize {
         if !self.cols.is_multiple_of(128) {
             return 0;
         }
-        match self.gemm_splits(n, sm_count) {
-            (1, _) => 0,
-            (splits, _) => splits * n * self.rows,
+        match self.gemm_splits(n, sm_count, order) {
+            (1, ..) => 0,
+            (splits, ..) => splits * n * self.rows,
         }
     }
 
     /// As [`Fp4Weights::gemv`], through the tiled GEMM (for 17 to 64 tokens:
     /// x staged in shared memory once per 128 rows); `part` holds
-    /// `gemm_scratch(n)` f32s. Sums in another order than the GEMV's. The
-    /// GEMM takes whole 128-column chunks; other matrices go to the GEMV.
+    /// `gemm_scratch(n, order)` f32s. In `SumOrder::AsGemv` each token's
+    /// results equal the GEMV's to the bit. The GEMM takes whole 128-column
+    /// chunks; other matrices go to the GEMV.
+    #[allow(clippy::too_many_arguments)]
     pub fn gemm(
         &self,
         gpu: &Gpu,
@@ -251,6 +268,7 @@ impl Fp4Weights {
         part: DevPtr,
         n: usize,
         accumulate: bool,
+        order: SumOrder,
     ) -> Result<(), GpuError> {
         if n == 0 {
             return Ok(());
@@ -258,7 +276,7 @@ impl Fp4Weights {
         if !self.cols.is_multiple_of(128) {
             return self.gemv(gpu, x, y, n, accumulate);
         }
-        let (splits, per_split) = self.gemm_splits(n, gpu.sm_count);
+        let (splits, per_split, step) = self.gemm_splits(n, gpu.sm_count, order);
         let name = match self.format {
             Fp4Format::Mxfp4 => "fp4_gemm_mx",
             Fp4Format::Nvfp4 => "fp4_gemm_nv",
@@ -288,6 +306,7 @@ impl Fp4Weights {
                 &self.shift,
                 &i32::from(accumulate),
                 &(per_split as i32),
+                &(step as i32),
             ],
         )?;
         if splits > 1 {
@@ -332,10 +351,10 @@ impl Fp4Weights {
 /// FP4_GEMV_MAX_TOKENS, the tiled GEMM past it).
 pub const FP4_SWEEP_TOKENS: [usize; 4] = [1, 8, 16, 64];
 
-/// Up to this many tokens a step multiplies FP4 weights with the GEMV; the
-/// tiled GEMM takes up to FP4_GEMM_MAX_TOKENS (fast numerics; the
-/// batch-invariant ones keep the GEMV, whose sums do not depend on the
-/// batch); past that, fast steps multiply a BF16 copy with cuBLAS.
+/// Up to this many tokens a step multiplies FP4 weights with the GEMV, past
+/// it with the tiled GEMM: in the fast numerics up to FP4_GEMM_MAX_TOKENS
+/// (past that a BF16 copy and cuBLAS); in the batch-invariant ones in the
+/// GEMV's order, FP4_GEMM_MAX_TOKENS tokens a launch.
 pub const FP4_GEMV_MAX_TOKENS: usize = 16;
 pub const FP4_GEMM_MAX_TOKENS: usize = GEMM_TOKENS;
 
@@ -396,7 +415,11 @@ pub fn fp4_sweep(
             for _ in 1..copies {
                 all.push(all[0].duplicate(gpu)?);
             }
-            let part = gpu.alloc::<f32>(all[0].gemm_scratch(64, gpu.sm_count).max(1))?;
+            let part = gpu.alloc::<f32>(
+                all[0]
+                    .gemm_scratch(64, gpu.sm_count, SumOrder::Fastest)
+                    .max(1),
+            )?;
             for tokens in FP4_SWEEP_TOKENS {
                 let launch_all = || -> Result<(), GpuError> {
                     let (xp, yp) = (gpu.ptr(&x, 0), gpu.ptr(&y, 0));
@@ -404,7 +427,8 @@ pub fn fp4_sweep(
                         if tokens <= FP4_GEMV_MAX_TOKENS {
                             w.gemv(gpu, xp, yp, tokens, false)?;
                         } else {
-                            w.gemm(gpu, xp, yp, gpu.ptr(&part, 0), tokens, false)?;
+                            let part = gpu.ptr(&part, 0);
+                            w.gemm(gpu, xp, yp, part, tokens, false, SumOrder::Fastest)?;
                         }
                     }
                     Ok(())

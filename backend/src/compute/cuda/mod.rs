@@ -17,5 +17,7 @@ pub mod transfer;
 
 pub use device::{Gpu, GpuError, cuda_available};
 pub use executor::CudaExecutor;
-pub use fp4::{FP4_GEMM_MAX_TOKENS, FP4_GEMV_MAX_TOKENS, FP4_SWEEP_TOKENS, Fp4Weights, fp4_sweep};
+pub use fp4::{
+    FP4_GEMM_MAX_TOKENS, FP4_GEMV_MAX_TOKENS, FP4_SWEEP_TOKENS, Fp4Weights, SumOrder, fp4_sweep,
+};
 pub use model::{ChunkResult, CudaKvCache, CudaLlama, Numerics, StepOutput, Workspace};

@@ -14,7 +14,9 @@ use std::sync::Arc;
 use cudarc::driver::{CudaGraph, CudaSlice};
 
 use super::device::{DevPtr, GEMM_ROW_TILE, Gpu, GpuError, elementwise, grid};
-use super::fp4::{FP4_COLS_MULTIPLE, FP4_GEMM_MAX_TOKENS, FP4_GEMV_MAX_TOKENS, Fp4Weights};
+use super::fp4::{
+    FP4_COLS_MULTIPLE, FP4_GEMM_MAX_TOKENS, FP4_GEMV_MAX_TOKENS, Fp4Weights, SumOrder,
+};
 use crate::compute::cpu::{Quant, Weight};
 use crate::compute::fp4::{Fp4Format, Fp4Matrix};
 use crate::model::{Llama, LlamaConfig, SeqChunk, WeightFormat};
@@ -322,9 +324,9 @@ impl CudaLlama {
     }
 
     /// f32s of partial sums the FP4 GEMM needs at most for `n` tokens.
-    fn fp4_gemm_scratch(&self, n: usize) -> usize {
+    fn fp4_gemm_scratch(&self, n: usize, order: SumOrder) -> usize {
         self.fp4_matrices()
-            .map(|f| f.gemm_scratch(n, self.gpu.sm_count))
+            .map(|f| f.gemm_scratch(n, self.gpu.sm_count, order))
             .max()
             .unwrap_or(0)
     }
@@ -374,7 +376,10 @@ impl CudaLlama {
         ws.reserve(gpu, c, n, m, plan.decode_splits)?;
         match ws.fp4_path(n) {
             Fp4Path::Gemv => {}
-            Fp4Path::Gemm => ws.reserve_fp4_part(gpu, self.fp4_gemm_scratch(n))?,
+            Fp4Path::Gemm(order) => {
+                let tokens = n.min(FP4_GEMM_MAX_TOKENS);
+                ws.reserve_fp4_part(gpu, self.fp4_gemm_scratch(tokens, order))?;
+            }
             Fp4Path::Dequantize => ws.reserve_dequant(gpu, self.largest_fp4())?,
         }
         let meta = plan.upload(gpu, &mut ws.meta)?;
@@ -461,7 +466,26 @@ impl CudaLlama {
         let linear = |w: &Linear, x, y, rows, cols, accumulate| match (w, ws.fp4_path(n)) {
             (Linear::Bf16(w), _) => gemm(b(w), x, y, n, rows, cols, accumulate),
             (Linear::Fp4(w), Fp4Path::Gemv) => w.gemv(gpu, x, y, n, accumulate),
-            (Linear::Fp4(w), Fp4Path::Gemm) => w.gemm(gpu, x, y, p(&ws.fp4_part), n, accumulate),
+            (Linear::Fp4(w), Fp4Path::Gemm(SumOrder::Fastest)) => {
+                w.gemm(gpu, x, y, p(&ws.fp4_part), n, accumulate, SumOrder::Fastest)
+            }
+            (Linear::Fp4(w), Fp4Path::Gemm(SumOrder::AsGemv)) => {
+                // FP4_GEMM_MAX_TOKENS a launch, to bound the partial sums.
+                for from in (0..n).step_by(FP4_GEMM_MAX_TOKENS) {
+                    let (xs, ys) = (x + (from * cols * 2) as u64, y + (from * rows * 4) as u64);
+                    let m = FP4_GEMM_MAX_TOKENS.min(n - from);
+                    w.gemm(
+                        gpu,
+                        xs,
+                        ys,
+                        p(&ws.fp4_part),
+                        m,
+                        accumulate,
+                        SumOrder::AsGemv,
+                    )?;
+                }
+                Ok(())
+            }
             (Linear::Fp4(w), Fp4Path::Dequantize) => {
                 let scratch = b(&ws.dequant);
                 w.dequantize_into(gpu, scratch)?;
@@ -795,7 +819,7 @@ pub struct Workspace {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Fp4Path {
     Gemv,
-    Gemm,
+    Gemm(SumOrder),
     Dequantize,
 }
 
@@ -836,14 +860,16 @@ impl Workspace {
         })
     }
 
-    /// How a step of `tokens` multiplies FP4 weights: batch-invariant steps
-    /// always by the GEMV (its sums do not depend on the batch); fast ones
-    /// by the GEMV, the tiled GEMM or a BF16 copy and cuBLAS, by size.
+    /// How a step of `tokens` multiplies FP4 weights: the GEMV for few; past
+    /// that, batch-invariant steps take the tiled GEMM in the GEMV's order
+    /// (a token's results the same bits whichever the step's size picks),
+    /// fast ones the tiled GEMM in its own order or, past
+    /// FP4_GEMM_MAX_TOKENS, a BF16 copy and cuBLAS.
     fn fp4_path(&self, tokens: usize) -> Fp4Path {
         match self.numerics {
-            Numerics::BatchInvariant => Fp4Path::Gemv,
-            Numerics::Fast if tokens <= FP4_GEMV_MAX_TOKENS => Fp4Path::Gemv,
-            Numerics::Fast if tokens <= FP4_GEMM_MAX_TOKENS => Fp4Path::Gemm,
+            _ if tokens <= FP4_GEMV_MAX_TOKENS => Fp4Path::Gemv,
+            Numerics::BatchInvariant => Fp4Path::Gemm(SumOrder::AsGemv),
+            Numerics::Fast if tokens <= FP4_GEMM_MAX_TOKENS => Fp4Path::Gemm(SumOrder::Fastest),
             Numerics::Fast => Fp4Path::Dequantize,
         }
     }

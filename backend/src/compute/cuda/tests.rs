@@ -435,7 +435,7 @@ fn paged_attention_matches_the_cpu_for_decode_and_prefill() {
 /// magnitudes (different scales), two matrices stacked (each its own tensor
 /// scale), 1 to 64 tokens (several token blocks), into y and added to it;
 /// the same through the tiled GEMM (1 to 100 tokens, one column split and
-/// many). And the dequantization to BF16: each weight within one BF16
+/// many), and the GEMM in the GEMV's order equal to the GEMV bit for bit. And the dequantization to BF16: each weight within one BF16
 /// rounding.
 #[test]
 fn fp4_gemv_matches_the_cpu_reference() {
@@ -456,27 +456,38 @@ fn fp4_gemv_matches_the_cpu_reference() {
             let mut reference = top.dequantize();
             reference.extend(bottom.dequantize());
             let dw = super::fp4::Fp4Weights::stack(&gpu, &[&top, &bottom]).unwrap();
+            use super::fp4::SumOrder;
+            let orders = [None, Some(SumOrder::Fastest), Some(SumOrder::AsGemv)];
             for (n, gemm) in [1usize, 5, 8, 11, 16, 17, 40, 64]
                 .into_iter()
-                .flat_map(|n| [(n, false), (n, true)])
-                .chain([(100, true)])
+                .flat_map(|n| orders.map(|o| (n, o)))
+                .chain([(100, Some(SumOrder::Fastest))])
             {
                 let x = from_bf16(&to_bf16(&values(n * cols, 50 + n as u64)));
                 let dx = gpu.upload(&to_bf16(&x)).unwrap();
                 let before = values(n * rows, 7);
-                let y = gpu.upload(&before).unwrap();
+                let mut y = gpu.upload(&before).unwrap();
                 let accumulate = n % 2 == 1;
                 let (xp, yp) = (gpu.ptr(&dx, 0), gpu.ptr(&y, 0));
-                if gemm {
-                    let part = gpu
-                        .alloc::<f32>(dw.gemm_scratch(n, gpu.sm_count).max(1))
-                        .unwrap();
-                    dw.gemm(&gpu, xp, yp, gpu.ptr(&part, 0), n, accumulate)
-                        .unwrap();
-                } else {
-                    dw.gemv(&gpu, xp, yp, n, accumulate).unwrap();
+                let mut run = |order: Option<SumOrder>| {
+                    gpu.upload_into(&before, &mut y).unwrap();
+                    match order {
+                        Some(order) => {
+                            let scratch = dw.gemm_scratch(n, gpu.sm_count, order);
+                            let part = gpu.alloc::<f32>(scratch.max(1)).unwrap();
+                            let pp = gpu.ptr(&part, 0);
+                            dw.gemm(&gpu, xp, yp, pp, n, accumulate, order).unwrap();
+                        }
+                        None => dw.gemv(&gpu, xp, yp, n, accumulate).unwrap(),
+                    }
+                    gpu.download(&y, n * rows).unwrap()
+                };
+                if gemm == Some(SumOrder::AsGemv) {
+                    // The GEMM in the GEMV's order: the same bits.
+                    assert_eq!(run(gemm), run(None), "{format:?} {rows}x{cols} n={n}");
+                    continue;
                 }
-                let got = gpu.download(&y, n * rows).unwrap();
+                let got = run(gemm);
                 for (i, g) in got.iter().enumerate() {
                     let (j, r) = (i / rows, i % rows);
                     let mut e = dot(
@@ -489,7 +500,7 @@ fn fp4_gemv_matches_the_cpu_reference() {
                     let scale = 2f32.powi((r % 7) as i32 - 3);
                     assert!(
                         (g - e).abs() <= 1e-3 * e.abs().max(scale).max(1.0),
-                        "{format:?} {rows}x{cols} n={n} gemm={gemm} [{j}, {r}]: {g} vs {e}"
+                        "{format:?} {rows}x{cols} n={n} {gemm:?} [{j}, {r}]: {g} vs {e}"
                     );
                 }
             }
