@@ -41,10 +41,11 @@ __device__ __forceinline__ u32 e2m1x2_bits(u32 w) {
     return (mag & 0x01c001c0u) | (sign & 0x80008000u);
 }
 
-// An E2M1 code's value.
+// An E2M1 code's value (exponent e = bits 2-1, mantissa m = bit 0: m / 2
+// at e = 0, else (1 + m / 2) 2^(e - 1)), built without a table.
 __device__ __forceinline__ float e2m1_value(u32 code) {
-    const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-    const float v = mag[code & 7u];
+    const u32 e = (code >> 1) & 3u, m = code & 1u;
+    const float v = e == 0u ? 0.5f * (float)m : __uint_as_float(((e + 126u) << 23) | (m << 22));
     return code & 8u ? -v : v;
 }
 
@@ -449,25 +450,40 @@ extern "C" __global__ void fp4_splitk_sum(const float* __restrict__ part, int sp
 
 // The weights as BF16 (for the GEMMs of many tokens): out[r, c] =
 // E2M1 * scale * row_scale[r], with the scales' true values (no 2^126 trick).
+// A thread takes 32 weights (16 bytes of codes, one row's block of 32):
+// one 16-byte load, four 16-byte stores.
 extern "C" __global__ void fp4_to_bf16(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
                                        const float* __restrict__ row_scale, bf16* __restrict__ out, int rows, int cols,
                                        int nv) {
-    const u64 pairs = (u64)rows * cols / 2;
-    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < pairs; i += (u64)gridDim.x * blockDim.x) {
-        const u64 e = 2 * i, r = e / cols;
-        const u32 byte = codes[i];
-        const u32 sc = scales[e / (nv ? 16 : 32)];
-        float scale;
-        if (nv) {
-            const u32 ex = (sc >> 3) & 0xfu, m = sc & 7u;
-            scale = ex == 0u ? (float)m * 0.001953125f : __uint_as_float(((ex + 120u) << 23) | (m << 20));
-            if (sc & 0x80u) scale = -scale;
-            if (ex == 0xfu && m == 7u) scale = __int_as_float(0x7fc00000);
-        } else {
-            scale = sc == 255u ? __int_as_float(0x7fc00000) : (sc == 0u ? __int_as_float(0x00400000) : __uint_as_float(sc << 23));
+    const u64 groups = (u64)rows * cols / 32;
+    for (u64 gi = blockIdx.x * (u64)blockDim.x + threadIdx.x; gi < groups; gi += (u64)gridDim.x * blockDim.x) {
+        const u64 e0 = gi * 32;
+        const float rs = row_scale[e0 / cols];
+        float s[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const u32 sc = nv ? scales[e0 / 16 + h] : scales[e0 / 32];
+            float v;
+            if (nv) {
+                const u32 ex = (sc >> 3) & 0xfu, m = sc & 7u;
+                v = ex == 0u ? (float)m * 0.001953125f : __uint_as_float(((ex + 120u) << 23) | (m << 20));
+                if (ex == 0xfu && m == 7u) v = __int_as_float(0x7fc00000);
+                if (sc & 0x80u) v = -v;
+            } else {
+                v = sc == 255u ? __int_as_float(0x7fc00000) : (sc == 0u ? __int_as_float(0x00400000) : __uint_as_float(sc << 23));
+            }
+            s[h] = v * rs;
         }
-        scale *= row_scale[r];
-        out[e] = f32_to_bf16(e2m1_value(byte & 15u) * scale);
-        out[e + 1] = f32_to_bf16(e2m1_value(byte >> 4) * scale);
+        const uint4 w = *(const uint4*)(codes + e0 / 2);
+        u32 o[16];
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            const u32 byte = (word(w, i >> 2) >> (8 * (i & 3))) & 0xffu, scale_at = i >> 3;  // 16 weights a half
+            const float lo = e2m1_value(byte & 15u) * s[scale_at], hi = e2m1_value(byte >> 4) * s[scale_at];
+            o[i] = (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
+        }
+        uint4* dst = (uint4*)(out + e0);
+#pragma unroll
+        for (int i = 0; i < 4; i++) dst[i] = make_uint4(o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]);
     }
 }

@@ -15,7 +15,8 @@ use sluice_backend::server::{WorkerConfig, run_worker};
 use sluice_gateway::bench::{
     CudaEngineBenchOptions, EngineBenchOptions, Fp4BenchOptions, GatewayBenchOptions,
     PluginBenchOptions, RoutingBenchOptions, TraceChoice, run_cuda_engine_bench, run_engine_bench,
-    run_fp4_accuracy_bench, run_gateway_bench, run_plugin_bench, run_routing_bench,
+    run_fp4_accuracy_bench, run_fp4_gpu_bench, run_gateway_bench, run_plugin_bench,
+    run_routing_bench,
 };
 
 use sluice_backend::model::FETCHED_MODEL as DEFAULT_MODEL;
@@ -296,10 +297,14 @@ enum Bench {
         /// The comparison of formats: perplexity and greedy agreement (CPU).
         #[arg(long)]
         accuracy: bool,
-        /// The Hopper FP4 GEMV (GPU 0): weight-read bandwidth on a Llama
-        /// shape's matrices at 1, 8, 16 and 64 tokens, MXFP4 and NVFP4.
+        /// The Hopper FP4 kernels (GPU 0): weight-read bandwidth on a Llama
+        /// shape's matrices at 1, 8, 16 and 64 tokens, MXFP4 and NVFP4; then
+        /// the prefill regime (--prefill-tokens) in TFLOP/s against cuBLAS BF16.
         #[arg(long)]
         gemv: bool,
+        /// Tokens of the prefill-regime measurement of --gemv (0: none).
+        #[arg(long, default_value_t = 1024)]
+        prefill_tokens: usize,
         /// The shape of --gemv.
         #[arg(long, default_value = "llama-3.1-8b")]
         synthetic_model: String,
@@ -653,6 +658,7 @@ fn run() -> anyhow::Result<()> {
                 Bench::Fp4 {
                     accuracy,
                     gemv,
+                    prefill_tokens,
                     synthetic_model,
                     model,
                     max_tokens,
@@ -660,41 +666,10 @@ fn run() -> anyhow::Result<()> {
         } => {
             anyhow::ensure!(accuracy || gemv, "say --accuracy, --gemv or both");
             if gemv {
-                let config = sluice_backend::model::LlamaConfig::preset(&synthetic_model)
-                    .with_context(|| format!("unknown shape {synthetic_model:?}"))?;
-                let gpu = sluice_backend::compute::cuda::Gpu::open(0)?;
-                let figures = sluice_backend::compute::cuda::fp4_sweep(&gpu, &config, 512 << 20)?;
-                let mut summary = serde_json::Map::new();
-                for f in &figures {
-                    let mut line = serde_json::to_value(f)?;
-                    line["bench"] = serde_json::json!("fp4-gemv");
-                    println!("{line}");
-                    summary.insert(
-                        format!("{}_{}_n{}", f.format, f.matrix, f.tokens),
-                        serde_json::json!(f.gb_s),
-                    );
-                }
-                // A decode step's four matrices per layer, bytes over time.
-                for format in ["mxfp4", "nvfp4"] {
-                    for tokens in sluice_backend::compute::cuda::FP4_SWEEP_TOKENS {
-                        let of = || {
-                            figures
-                                .iter()
-                                .filter(move |f| f.format == format && f.tokens == tokens)
-                        };
-                        let bytes: f64 = of().map(|f| f.gb_s * f.us * 1e3).sum();
-                        let us: f64 = of().map(|f| f.us).sum();
-                        summary.insert(
-                            format!("{format}_layer_gb_s_n{tokens}"),
-                            serde_json::json!(bytes / us / 1e3),
-                        );
-                    }
-                }
-                summary.insert("bench".into(), serde_json::json!("fp4-gemv"));
-                summary.insert("device".into(), serde_json::json!(gpu.name));
-                summary.insert("shape".into(), serde_json::json!(synthetic_model));
-                summary.insert("summary".into(), serde_json::json!(true));
-                println!("{}", serde_json::Value::Object(summary));
+                let summary =
+                    run_fp4_gpu_bench(&synthetic_model, prefill_tokens, |line| println!("{line}"))
+                        .context("sluice bench fp4 --gemv")?;
+                println!("{summary}");
                 if !accuracy {
                     return Ok(());
                 }

@@ -5,6 +5,7 @@
 mod engine;
 mod engine_cuda;
 mod fp4;
+mod fp4_gpu;
 mod gateway;
 mod plugins;
 pub mod routing;
@@ -14,6 +15,7 @@ pub mod upstream;
 pub use engine::{EngineBenchOptions, run_engine_bench};
 pub use engine_cuda::{CudaEngineBenchOptions, run_cuda_engine_bench};
 pub use fp4::{Fp4BenchOptions, run_fp4_accuracy_bench};
+pub use fp4_gpu::run_fp4_gpu_bench;
 pub use gateway::{GatewayBenchOptions, run_gateway_bench};
 pub use plugins::{PluginBenchOptions, run_plugin_bench};
 pub use routing::{RoutingBenchOptions, TraceChoice, run_routing_bench};

@@ -333,7 +333,7 @@ impl Fp4Weights {
         // SAFETY: `out` has room for rows * cols BF16 values (the caller's).
         gpu.launch(
             "fp4_to_bf16",
-            elementwise(self.rows * self.cols / 2),
+            elementwise(self.rows * self.cols / 32),
             &[
                 &gpu.ptr(&self.codes, 0),
                 &gpu.ptr(&self.scales, 0),
@@ -388,13 +388,7 @@ pub fn fp4_sweep(
     bytes_per_matrix: usize,
 ) -> Result<Vec<Fp4Figure>, GpuError> {
     gpu.bind()?;
-    let (h, q, kv, ffn) = (config.hidden, config.q_dim(), config.kv_dim(), config.ffn);
-    let shapes = [
-        ("qkv", q + 2 * kv, h),
-        ("o", h, q),
-        ("gate_up", 2 * ffn, h),
-        ("down", h, ffn),
-    ];
+    let shapes = layer_shapes(config);
     let widest = shapes.iter().map(|s| s.2).max().unwrap_or(0);
     let tallest = shapes.iter().map(|s| s.1).max().unwrap_or(0);
     let x = gpu.upload(&vec![0x3f80u16; 64 * widest])?; // 1.0 in BF16
@@ -481,6 +475,105 @@ pub fn fp4_sweep(
                     bf16_roofline_us: (rows * cols * 2) as f64 / 4.25e12 * 1e6,
                 });
             }
+        }
+    }
+    Ok(out)
+}
+
+/// A Llama layer's four matrices as (name, rows, cols).
+fn layer_shapes(config: &LlamaConfig) -> [(&'static str, usize, usize); 4] {
+    let (h, q, kv, ffn) = (config.hidden, config.q_dim(), config.kv_dim(), config.ffn);
+    [
+        ("qkv", q + 2 * kv, h),
+        ("o", h, q),
+        ("gate_up", 2 * ffn, h),
+        ("down", h, ffn),
+    ]
+}
+
+/// One line of [`fp4_prefill_sweep`]: TFLOP/s (2 rows cols tokens / time).
+#[derive(Clone, Debug, Serialize)]
+pub struct Fp4PrefillFigure {
+    pub matrix: &'static str,
+    pub rows: usize,
+    pub cols: usize,
+    pub format: &'static str,
+    pub tokens: usize,
+    /// Dequantized to a BF16 copy, then cuBLAS (the fast numerics' prefill).
+    pub dequant_cublas_tflops: f64,
+    /// The tiled FP4 GEMM in the GEMV's order, 64 tokens a launch (the
+    /// batch-invariant numerics' prefill).
+    pub gemm_tflops: f64,
+    /// cuBLAS on BF16 weights of the same shape, for scale.
+    pub cublas_bf16_tflops: f64,
+}
+
+/// The prefill regime: a Llama shape's four matrices (generated FP4
+/// weights) times `tokens` BF16 rows, each way the model can run it.
+pub fn fp4_prefill_sweep(
+    gpu: &Gpu,
+    config: &LlamaConfig,
+    tokens: usize,
+) -> Result<Vec<Fp4PrefillFigure>, GpuError> {
+    gpu.bind()?;
+    let shapes = layer_shapes(config);
+    let widest = shapes.iter().map(|s| s.2).max().unwrap_or(0);
+    let tallest = shapes.iter().map(|s| s.1).max().unwrap_or(0);
+    let largest = shapes.iter().map(|s| s.1 * s.2).max().unwrap_or(0);
+    let x = gpu.upload(&vec![0x3f80u16; tokens * widest])?; // 1.0 in BF16
+    let y = gpu.alloc::<f32>(tokens * tallest)?;
+    let bf16 = gpu.alloc::<u16>(largest)?;
+    let (xp, yp, wp) = (gpu.ptr(&x, 0), gpu.ptr(&y, 0), gpu.ptr(&bf16, 0));
+    let median = |f: &dyn Fn() -> Result<(), GpuError>| -> Result<f64, GpuError> {
+        let mut times = Vec::new();
+        for rep in 0..6 {
+            gpu.synchronize()?;
+            let started = Instant::now();
+            f()?;
+            gpu.synchronize()?;
+            if rep > 0 {
+                times.push(started.elapsed().as_secs_f64());
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
+    };
+    let mut out = Vec::new();
+    for format in [Fp4Format::Mxfp4, Fp4Format::Nvfp4] {
+        for (i, &(name, rows, cols)) in shapes.iter().enumerate() {
+            let w = Fp4Weights::synthetic(gpu, format, rows, cols, 77 + i as u64)?;
+            let part = gpu.alloc::<f32>(
+                w.gemm_scratch(FP4_GEMM_MAX_TOKENS, gpu.sm_count, SumOrder::AsGemv)
+                    .max(1),
+            )?;
+            let pp = gpu.ptr(&part, 0);
+            let dequant_cublas = median(&|| {
+                w.dequantize_into(gpu, wp)?;
+                gpu.gemm_bf16_fast(wp, xp, yp, tokens, rows, cols, false)
+            })?;
+            let cublas = median(&|| gpu.gemm_bf16_fast(wp, xp, yp, tokens, rows, cols, false))?;
+            let gemm = median(&|| {
+                for from in (0..tokens).step_by(FP4_GEMM_MAX_TOKENS) {
+                    let m = FP4_GEMM_MAX_TOKENS.min(tokens - from);
+                    let (xs, ys) = (xp + (from * cols * 2) as u64, yp + (from * rows * 4) as u64);
+                    w.gemm(gpu, xs, ys, pp, m, false, SumOrder::AsGemv)?;
+                }
+                Ok(())
+            })?;
+            let flop = 2.0 * (rows * cols * tokens) as f64;
+            out.push(Fp4PrefillFigure {
+                matrix: name,
+                rows,
+                cols,
+                format: match format {
+                    Fp4Format::Mxfp4 => "mxfp4",
+                    Fp4Format::Nvfp4 => "nvfp4",
+                },
+                tokens,
+                dequant_cublas_tflops: flop / dequant_cublas / 1e12,
+                gemm_tflops: flop / gemm / 1e12,
+                cublas_bf16_tflops: flop / cublas / 1e12,
+            });
         }
     }
     Ok(out)
