@@ -436,25 +436,9 @@ pub fn fp4_sweep(
                     .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))?;
                 recorded?;
                 let graph = graph.ok_or_else(|| GpuError::Other("empty CUDA graph".into()))?;
-                let time = |graphed: bool| -> Result<f64, GpuError> {
-                    let mut times = Vec::new();
-                    for rep in 0..6 {
-                        gpu.synchronize()?;
-                        let started = Instant::now();
-                        if graphed {
-                            graph.launch()?;
-                        } else {
-                            launch_all()?;
-                        }
-                        gpu.synchronize()?;
-                        if rep > 0 {
-                            times.push(started.elapsed().as_secs_f64() / all.len() as f64);
-                        }
-                    }
-                    times.sort_by(f64::total_cmp);
-                    Ok(times[times.len() / 2])
-                };
-                let (t, direct) = (time(true)?, time(false)?);
+                let copies = all.len() as f64;
+                let t = median_secs(gpu, &|| Ok(graph.launch()?))? / copies;
+                let direct = median_secs(gpu, &launch_all)? / copies;
                 out.push(Fp4Figure {
                     matrix: name,
                     rows,
@@ -478,6 +462,23 @@ pub fn fp4_sweep(
         }
     }
     Ok(out)
+}
+
+/// The median wall time of `f` (synchronized before and after) over 5 runs,
+/// after one warm-up run.
+fn median_secs(gpu: &Gpu, f: &dyn Fn() -> Result<(), GpuError>) -> Result<f64, GpuError> {
+    let mut times = Vec::new();
+    for rep in 0..6 {
+        gpu.synchronize()?;
+        let started = Instant::now();
+        f()?;
+        gpu.synchronize()?;
+        if rep > 0 {
+            times.push(started.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
 }
 
 /// A Llama layer's four matrices as (name, rows, cols).
@@ -524,20 +525,7 @@ pub fn fp4_prefill_sweep(
     let y = gpu.alloc::<f32>(tokens * tallest)?;
     let bf16 = gpu.alloc::<u16>(largest)?;
     let (xp, yp, wp) = (gpu.ptr(&x, 0), gpu.ptr(&y, 0), gpu.ptr(&bf16, 0));
-    let median = |f: &dyn Fn() -> Result<(), GpuError>| -> Result<f64, GpuError> {
-        let mut times = Vec::new();
-        for rep in 0..6 {
-            gpu.synchronize()?;
-            let started = Instant::now();
-            f()?;
-            gpu.synchronize()?;
-            if rep > 0 {
-                times.push(started.elapsed().as_secs_f64());
-            }
-        }
-        times.sort_by(f64::total_cmp);
-        Ok(times[times.len() / 2])
-    };
+    let median = |f: &dyn Fn() -> Result<(), GpuError>| median_secs(gpu, f);
     let mut out = Vec::new();
     for format in [Fp4Format::Mxfp4, Fp4Format::Nvfp4] {
         for (i, &(name, rows, cols)) in shapes.iter().enumerate() {
