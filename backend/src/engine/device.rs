@@ -80,6 +80,7 @@ impl Engine {
                 let started = std::time::Instant::now();
                 let gpu = Gpu::open(ordinal)?;
                 let cuda = CudaLlama::from_host(gpu.clone(), &model)?;
+                let weights_mb = cuda.weight_bytes() / 1_000_000;
                 let mut executor =
                     CudaExecutor::new(cuda, config.kv_blocks as usize, config.block_size)?;
                 executor.set_numerics(numerics);
@@ -87,6 +88,7 @@ impl Engine {
                     gpu = %gpu.name,
                     arch = %gpu.arch,
                     ?numerics,
+                    weights_mb,
                     load_ms = started.elapsed().as_millis() as u64,
                     "engine on CUDA"
                 );
