@@ -29,6 +29,29 @@ const GEMM_ROWS: usize = 16 * FP4_WARPS as usize;
 /// 8 bytes).
 const GEMM_SMEM: u32 = 4 * (64 * 144 * 2 + 128 * 64 + 128 * 8);
 
+/// How the tiled GEMM splits a `rows x cols` matrix's columns for `n` tokens
+/// on `sm_count` SMs: (splits, chunks per split, step), as `fp4.cu`'s
+/// fp4_gemm reads them (split z takes chunks z * per_split .. with step 1,
+/// z, z + step, .. otherwise).
+fn gemm_splits(
+    rows: usize,
+    cols: usize,
+    n: usize,
+    sm_count: u32,
+    order: SumOrder,
+) -> (usize, usize, usize) {
+    if order == SumOrder::AsGemv {
+        // Split w takes the chunks GEMV warp w takes, in its order.
+        return (FP4_WARPS as usize, 0, FP4_WARPS as usize);
+    }
+    // Enough blocks for two a SM, in runs of whole chunks.
+    let chunks = cols.div_ceil(128);
+    let blocks = rows.div_ceil(GEMM_ROWS) * n.div_ceil(GEMM_TOKENS);
+    let wanted = (2 * sm_count as usize).div_ceil(blocks).clamp(1, chunks);
+    let per_split = chunks.div_ceil(wanted);
+    (chunks.div_ceil(per_split), per_split, 1)
+}
+
 /// The order in which the tiled GEMM sums a token's products.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SumOrder {
@@ -228,19 +251,8 @@ impl Fp4Weights {
         )
     }
 
-    /// How the tiled GEMM splits the columns for `n` tokens on `sm_count`
-    /// SMs: (splits, chunks per split, step; `fp4.cu`'s fp4_gemm).
     fn gemm_splits(&self, n: usize, sm_count: u32, order: SumOrder) -> (usize, usize, usize) {
-        if order == SumOrder::AsGemv {
-            // Split w takes the chunks GEMV warp w takes, in its order.
-            return (FP4_WARPS as usize, 0, FP4_WARPS as usize);
-        }
-        // Enough blocks for two a SM, in runs of whole chunks.
-        let chunks = self.cols.div_ceil(128);
-        let blocks = self.rows.div_ceil(GEMM_ROWS) * n.div_ceil(GEMM_TOKENS);
-        let wanted = (2 * sm_count as usize).div_ceil(blocks).clamp(1, chunks);
-        let per_split = chunks.div_ceil(wanted);
-        (chunks.div_ceil(per_split), per_split, 1)
+        gemm_splits(self.rows, self.cols, n, sm_count, order)
     }
 
     /// f32s of partial sums [`Fp4Weights::gemm`] needs for `n` tokens.
@@ -565,4 +577,68 @@ pub fn fp4_prefill_sweep(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Split z's chunks, as fp4_gemm computes them from (per_split, step).
+    fn split_chunks(z: usize, chunks: usize, per_split: usize, step: usize) -> Vec<usize> {
+        let first = if step == 1 { z * per_split } else { z };
+        let count = if step == 1 {
+            (first + per_split).min(chunks).saturating_sub(first)
+        } else {
+            (chunks + step - 1).saturating_sub(z) / step
+        };
+        (0..count).map(|i| first + step * i).collect()
+    }
+
+    /// Every chunk in exactly one split, whatever the shape; the fastest
+    /// order fills the 132 SMs (1.5 blocks a SM or more) where the columns
+    /// allow; the GEMV's order
+    /// gives split w exactly GEMV warp w's chunks, ascending.
+    #[test]
+    fn gemm_splits_cover_every_chunk_once() {
+        let shapes = [
+            (6144, 4096),
+            (4096, 4096),
+            (28672, 4096),
+            (4096, 14336),
+            (40, 640),
+            (16, 128),
+        ];
+        for (rows, cols) in shapes {
+            let chunks = cols / 128;
+            for n in [1, 17, 40, 64, 100] {
+                for order in [SumOrder::Fastest, SumOrder::AsGemv] {
+                    let (splits, per_split, step) = gemm_splits(rows, cols, n, 132, order);
+                    let mut seen: Vec<usize> = (0..splits)
+                        .flat_map(|z| split_chunks(z, chunks, per_split, step))
+                        .collect();
+                    seen.sort_unstable();
+                    assert_eq!(
+                        seen,
+                        (0..chunks).collect::<Vec<_>>(),
+                        "{rows}x{cols} n={n} {order:?}"
+                    );
+                    if order == SumOrder::AsGemv {
+                        for w in 0..splits {
+                            let warp: Vec<usize> =
+                                (w..chunks).step_by(FP4_WARPS as usize).collect();
+                            assert_eq!(split_chunks(w, chunks, per_split, step), warp);
+                        }
+                    } else {
+                        let blocks = rows.div_ceil(GEMM_ROWS) * n.div_ceil(GEMM_TOKENS) * splits;
+                        // Two a SM asked; whole chunks a split may round it
+                        // down, not below 1.5.
+                        assert!(
+                            blocks >= 198 || splits == chunks,
+                            "{rows}x{cols} n={n}: {blocks} blocks in {splits} splits"
+                        );
+                    }
+                }
+            }
+        }
+    }
 }

@@ -815,12 +815,22 @@ pub struct Workspace {
     fp4_part: CudaSlice<f32>,
 }
 
-/// How a step multiplies FP4 weights (`Workspace::fp4_path`).
+/// How a step multiplies FP4 weights (`fp4_path`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Fp4Path {
     Gemv,
     Gemm(SumOrder),
     Dequantize,
+}
+
+/// See `Workspace::fp4_path`.
+fn fp4_path(numerics: Numerics, tokens: usize) -> Fp4Path {
+    match numerics {
+        _ if tokens <= FP4_GEMV_MAX_TOKENS => Fp4Path::Gemv,
+        Numerics::BatchInvariant => Fp4Path::Gemm(SumOrder::AsGemv),
+        Numerics::Fast if tokens <= FP4_GEMM_MAX_TOKENS => Fp4Path::Gemm(SumOrder::Fastest),
+        Numerics::Fast => Fp4Path::Dequantize,
+    }
 }
 
 impl std::fmt::Debug for Workspace {
@@ -866,12 +876,7 @@ impl Workspace {
     /// fast ones the tiled GEMM in its own order or, past
     /// FP4_GEMM_MAX_TOKENS, a BF16 copy and cuBLAS.
     fn fp4_path(&self, tokens: usize) -> Fp4Path {
-        match self.numerics {
-            _ if tokens <= FP4_GEMV_MAX_TOKENS => Fp4Path::Gemv,
-            Numerics::BatchInvariant => Fp4Path::Gemm(SumOrder::AsGemv),
-            Numerics::Fast if tokens <= FP4_GEMM_MAX_TOKENS => Fp4Path::Gemm(SumOrder::Fastest),
-            Numerics::Fast => Fp4Path::Dequantize,
-        }
+        fp4_path(self.numerics, tokens)
     }
 
     /// Room for `floats` partial sums of the FP4 GEMM.
@@ -945,5 +950,30 @@ impl Workspace {
             self.graphs.clear();
         }
         Ok(grown)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Batch-invariant steps never leave the GEMV's sums (the GEMM in its
+    /// order past 16 tokens, at any size); fast ones pick by size.
+    #[test]
+    fn fp4_paths_by_numerics_and_size() {
+        use Fp4Path::*;
+        for n in [1, 8, 16] {
+            assert_eq!(fp4_path(Numerics::BatchInvariant, n), Gemv);
+            assert_eq!(fp4_path(Numerics::Fast, n), Gemv);
+        }
+        for n in [17, 64, 65, 8192] {
+            assert_eq!(
+                fp4_path(Numerics::BatchInvariant, n),
+                Gemm(SumOrder::AsGemv)
+            );
+        }
+        assert_eq!(fp4_path(Numerics::Fast, 17), Gemm(SumOrder::Fastest));
+        assert_eq!(fp4_path(Numerics::Fast, 64), Gemm(SumOrder::Fastest));
+        assert_eq!(fp4_path(Numerics::Fast, 65), Dequantize);
     }
 }
