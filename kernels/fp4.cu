@@ -1,8 +1,7 @@
 // FP4 weights (MXFP4, NVFP4): y[j, r] (+)= row_scale[r] * sum_c w[r, c] x[j, c]
 // for n tokens, BF16 activations, f32 out (added to y with `accumulate`,
-// for the residual stream). Built for decode: a GEMV for up to 16 tokens a
-// block, a tiled GEMM for 17 to 64 (below). Weight-only
-// quantization on Hopper: the E2M1 codes are dequantized in registers and
+// for the residual stream). A GEMV for up to 16 tokens a block, a tiled
+// GEMM for more (below). Weight-only quantization on Hopper: the E2M1 codes are dequantized in registers and
 // multiplied on the BF16 tensor cores (mma.sync m16n8k16), so a step reads
 // 4.25 (MX) or 4.5 (NV) bits per weight instead of 16.
 //
@@ -17,9 +16,8 @@
 // (warp w takes chunks w, w + 8, ...), UNROLL chunks in flight; a row's last
 // chunk may be partial (cols a multiple of 32: a lane's 32 columns are all in
 // or all out). Each chunk is dequantized once for all the block's tokens.
-// (With 4
-// warps the 384 blocks of an 8B model's qkv filled 0.48 waves of the H200's
-// SMs: 11 warps an SM, 20% of DRAM bandwidth under ncu.) In a chunk
+// (With 4 warps the 384 blocks of an 8B model's qkv filled 0.48 waves of the
+// H200's SMs: 11 warps an SM, 20% of DRAM bandwidth under ncu.) In a chunk
 // lane (g = lane / 4, t = lane % 4) loads 16 bytes (32 codes) of rows g and
 // g + 8 at columns 32t .. 32t + 31, and the same 32 columns of x for token g
 // of each 8-token tile. The dot product does not care in which order the
@@ -273,7 +271,7 @@ extern "C" __global__ void __launch_bounds__(256) fp4_gemv_mx_n16(FP4_ARGS) { fp
 extern "C" __global__ void __launch_bounds__(256) fp4_gemv_nv_n8(FP4_ARGS) { fp4_gemv<true, 1, 4, 8>(FP4_PASS); }
 extern "C" __global__ void __launch_bounds__(256) fp4_gemv_nv_n16(FP4_ARGS) { fp4_gemv<true, 2, 4, 8>(FP4_PASS); }
 
-// --- The tiled GEMM: 17 to 64 tokens (fast numerics) ---
+// --- The tiled GEMM: more than 16 tokens ---
 //
 // In the GEMV each 16-row block reads all of x again: at 64 tokens x's bytes
 // (2 a value) are 16 times the weights' (half a byte), and x's traffic from

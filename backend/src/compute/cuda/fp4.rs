@@ -1,8 +1,10 @@
 //! FP4 weights on the GPU, the Hopper path: [`Fp4Matrix`]es uploaded as they
 //! are (codes and scale bytes, and one f32 per row for NVFP4's tensor scale,
-//! so that matrices quantized apart run fused), the weight-only GEMV of
-//! `kernels/fp4.cu`, which dequantizes in registers and multiplies on the
-//! BF16 tensor cores, and a dequantization to BF16 for GEMMs of many tokens.
+//! so that matrices quantized apart run fused), and the weight-only kernels
+//! of `kernels/fp4.cu`, which dequantize in registers and multiply on the
+//! BF16 tensor cores: a GEMV (up to 16 tokens a block), a tiled GEMM (more),
+//! and a dequantization to BF16 for cuBLAS; with their measurements
+//! (`fp4_sweep`, `fp4_prefill_sweep`).
 
 use std::time::Instant;
 
