@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::device::GpuError;
+use super::device::{Gpu, GpuError};
 use super::executor::CudaExecutor;
 use super::model::StepOutput;
 use crate::model::{Logits, SeqChunk};
@@ -69,10 +69,7 @@ pub fn gemv_sweep(ex: &CudaExecutor) -> Result<Vec<GemvFigure>, GpuError> {
     for (name, copies, rows, cols) in ex.model.layer_matrices() {
         for tokens in [1usize, 8, 64] {
             let rate = |cublas: bool| -> Result<f64, GpuError> {
-                let mut times = Vec::new();
-                for rep in 0..6 {
-                    gpu.synchronize()?;
-                    let started = Instant::now();
+                let s = median_secs(gpu, &mut || {
                     for &w in &copies {
                         if cublas {
                             gpu.cublas_gemm_bf16(w, xp, yp, tokens, rows, cols, false)?;
@@ -80,13 +77,10 @@ pub fn gemv_sweep(ex: &CudaExecutor) -> Result<Vec<GemvFigure>, GpuError> {
                             gpu.gemv_bf16(w, xp, yp, tokens, rows, cols, false)?;
                         }
                     }
-                    gpu.synchronize()?;
-                    if rep > 0 {
-                        times.push(started.elapsed().as_secs_f64());
-                    }
-                }
+                    Ok(())
+                })?;
                 let bytes = (copies.len() * rows * cols * 2) as f64;
-                Ok(bytes / median(times) / 1e9)
+                Ok(bytes / s / 1e9)
             };
             let ours_gb_s = if tokens <= 8 { rate(false)? } else { 0.0 };
             let cublas_gb_s = rate(true)?;
@@ -163,20 +157,14 @@ pub fn attention_sweep(
         let meta = plan.upload(&gpu, &mut meta_buf)?;
         let ws = ex.workspace();
         let (q, attn) = (ws.q_ptr(&gpu), ws.attn_ptr(&gpu));
-        let mut times = Vec::new();
-        for rep in 0..6 {
-            gpu.synchronize()?;
-            let started = Instant::now();
+        let all_layers = median_secs(&gpu, &mut || {
             for layer in 0..c.n_layers {
                 let (k, v) = ex.kv.layer(&gpu, layer);
                 launch_attention(&gpu, &c, ws, &plan, &meta, q, k, v, attn)?;
             }
-            gpu.synchronize()?;
-            if rep > 0 {
-                times.push(started.elapsed().as_secs_f64() / c.n_layers as f64);
-            }
-        }
-        let per_layer = median(times);
+            Ok(())
+        })?;
+        let per_layer = all_layers / c.n_layers as f64;
         let bytes = (batch * (context + 1) * 2 * 2 * c.kv_dim()) as f64;
         out.push(AttentionFigure {
             batch,
@@ -229,19 +217,11 @@ pub fn peer_transfer(
         v
     };
     let (from, to) = (shuffled(1), shuffled(2));
-    let mut times = Vec::new();
-    for rep in 0..6 {
-        dst.synchronize()?;
-        let started = Instant::now();
-        copy_pages(dst, &mut dst_cache, &to, src, &src_cache, &from)?;
-        dst.synchronize()?;
-        if rep > 0 {
-            times.push(started.elapsed().as_secs_f64());
-        }
-    }
+    let s = median_secs(dst, &mut || {
+        copy_pages(dst, &mut dst_cache, &to, src, &src_cache, &from)
+    })?;
     let page_bytes = block_size * config.kv_dim() * 2;
     let bytes = pages * config.n_layers * 2 * page_bytes;
-    let s = median(times);
     Ok(TransferFigure {
         pages,
         page_bytes,
@@ -250,6 +230,25 @@ pub fn peer_transfer(
         ms_median: s * 1e3,
         gb_s: bytes as f64 / s / 1e9,
     })
+}
+
+/// The median wall time of `f` over 5 runs after one warm-up, `gpu`'s stream
+/// synchronized before and after each.
+pub(crate) fn median_secs(
+    gpu: &Gpu,
+    f: &mut dyn FnMut() -> Result<(), GpuError>,
+) -> Result<f64, GpuError> {
+    let mut times = Vec::new();
+    for rep in 0..6 {
+        gpu.synchronize()?;
+        let started = Instant::now();
+        f()?;
+        gpu.synchronize()?;
+        if rep > 0 {
+            times.push(started.elapsed().as_secs_f64());
+        }
+    }
+    Ok(median(times))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

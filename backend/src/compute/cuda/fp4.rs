@@ -6,11 +6,10 @@
 //! and a dequantization to BF16 for cuBLAS; with their measurements
 //! (`fp4_sweep`, `fp4_prefill_sweep`).
 
-use std::time::Instant;
-
 use cudarc::driver::CudaSlice;
 use serde::Serialize;
 
+use super::bench::median_secs;
 use super::device::{DevPtr, Gpu, GpuError, elementwise, grid};
 use crate::compute::fp4::{Fp4Format, Fp4Matrix};
 use crate::model::LlamaConfig;
@@ -451,8 +450,8 @@ pub fn fp4_sweep(
                 recorded?;
                 let graph = graph.ok_or_else(|| GpuError::Other("empty CUDA graph".into()))?;
                 let copies = all.len() as f64;
-                let t = median_secs(gpu, &|| Ok(graph.launch()?))? / copies;
-                let direct = median_secs(gpu, &launch_all)? / copies;
+                let t = median_secs(gpu, &mut || Ok(graph.launch()?))? / copies;
+                let direct = median_secs(gpu, &mut || launch_all())? / copies;
                 out.push(Fp4Figure {
                     matrix: name,
                     rows,
@@ -476,23 +475,6 @@ pub fn fp4_sweep(
         }
     }
     Ok(out)
-}
-
-/// The median wall time of `f` (synchronized before and after) over 5 runs,
-/// after one warm-up run.
-fn median_secs(gpu: &Gpu, f: &dyn Fn() -> Result<(), GpuError>) -> Result<f64, GpuError> {
-    let mut times = Vec::new();
-    for rep in 0..6 {
-        gpu.synchronize()?;
-        let started = Instant::now();
-        f()?;
-        gpu.synchronize()?;
-        if rep > 0 {
-            times.push(started.elapsed().as_secs_f64());
-        }
-    }
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
 }
 
 /// A Llama layer's four matrices as (name, rows, cols).
@@ -539,7 +521,6 @@ pub fn fp4_prefill_sweep(
     let y = gpu.alloc::<f32>(tokens * tallest)?;
     let bf16 = gpu.alloc::<u16>(largest)?;
     let (xp, yp, wp) = (gpu.ptr(&x, 0), gpu.ptr(&y, 0), gpu.ptr(&bf16, 0));
-    let median = |f: &dyn Fn() -> Result<(), GpuError>| median_secs(gpu, f);
     let mut out = Vec::new();
     for format in [Fp4Format::Mxfp4, Fp4Format::Nvfp4] {
         for (i, &(name, rows, cols)) in shapes.iter().enumerate() {
@@ -549,12 +530,14 @@ pub fn fp4_prefill_sweep(
                     .max(1),
             )?;
             let pp = gpu.ptr(&part, 0);
-            let dequant_cublas = median(&|| {
+            let dequant_cublas = median_secs(gpu, &mut || {
                 w.dequantize_into(gpu, wp)?;
                 gpu.gemm_bf16_fast(wp, xp, yp, tokens, rows, cols, false)
             })?;
-            let cublas = median(&|| gpu.gemm_bf16_fast(wp, xp, yp, tokens, rows, cols, false))?;
-            let gemm = median(&|| {
+            let cublas = median_secs(gpu, &mut || {
+                gpu.gemm_bf16_fast(wp, xp, yp, tokens, rows, cols, false)
+            })?;
+            let gemm = median_secs(gpu, &mut || {
                 for from in (0..tokens).step_by(FP4_GEMM_MAX_TOKENS) {
                     let m = FP4_GEMM_MAX_TOKENS.min(tokens - from);
                     let (xs, ys) = (xp + (from * cols * 2) as u64, yp + (from * rows * 4) as u64);
