@@ -261,6 +261,11 @@ impl Fp4Weights {
         if !self.cols.is_multiple_of(128) {
             return 0;
         }
+        // The GEMV's order runs GEMM_TOKENS tokens a launch (`gemm`).
+        let n = match order {
+            SumOrder::AsGemv => n.min(GEMM_TOKENS),
+            SumOrder::Fastest => n,
+        };
         match self.gemm_splits(n, sm_count, order) {
             (1, ..) => 0,
             (splits, ..) => splits * n * self.rows,
@@ -288,6 +293,19 @@ impl Fp4Weights {
         }
         if !self.cols.is_multiple_of(128) {
             return self.gemv(gpu, x, y, n, accumulate);
+        }
+        if order == SumOrder::AsGemv && n > GEMM_TOKENS {
+            // GEMM_TOKENS tokens a launch, so that the partial sums (8 splits
+            // of every token) stay within gemm_scratch's bound.
+            for from in (0..n).step_by(GEMM_TOKENS) {
+                let (xs, ys) = (
+                    x + (from * self.cols * 2) as u64,
+                    y + (from * self.rows * 4) as u64,
+                );
+                let m = GEMM_TOKENS.min(n - from);
+                self.gemm(gpu, xs, ys, part, m, accumulate, order)?;
+            }
+            return Ok(());
         }
         let (splits, per_split, step) = self.gemm_splits(n, gpu.sm_count, order);
         let name = match self.format {
@@ -498,8 +516,8 @@ pub struct Fp4PrefillFigure {
     pub tokens: usize,
     /// Dequantized to a BF16 copy, then cuBLAS (the fast numerics' prefill).
     pub dequant_cublas_tflops: f64,
-    /// The tiled FP4 GEMM in the GEMV's order, 64 tokens a launch (the
-    /// batch-invariant numerics' prefill).
+    /// The tiled FP4 GEMM in the GEMV's order (the batch-invariant
+    /// numerics' prefill).
     pub gemm_tflops: f64,
     /// cuBLAS on BF16 weights of the same shape, for scale.
     pub cublas_bf16_tflops: f64,
@@ -526,7 +544,7 @@ pub fn fp4_prefill_sweep(
         for (i, &(name, rows, cols)) in shapes.iter().enumerate() {
             let w = Fp4Weights::synthetic(gpu, format, rows, cols, 77 + i as u64)?;
             let part = gpu.alloc::<f32>(
-                w.gemm_scratch(FP4_GEMM_MAX_TOKENS, gpu.sm_count, SumOrder::AsGemv)
+                w.gemm_scratch(tokens, gpu.sm_count, SumOrder::AsGemv)
                     .max(1),
             )?;
             let pp = gpu.ptr(&part, 0);
@@ -538,12 +556,7 @@ pub fn fp4_prefill_sweep(
                 gpu.gemm_bf16_fast(wp, xp, yp, tokens, rows, cols, false)
             })?;
             let gemm = median_secs(gpu, &mut || {
-                for from in (0..tokens).step_by(FP4_GEMM_MAX_TOKENS) {
-                    let m = FP4_GEMM_MAX_TOKENS.min(tokens - from);
-                    let (xs, ys) = (xp + (from * cols * 2) as u64, yp + (from * rows * 4) as u64);
-                    w.gemm(gpu, xs, ys, pp, m, false, SumOrder::AsGemv)?;
-                }
-                Ok(())
+                w.gemm(gpu, xp, yp, pp, tokens, false, SumOrder::AsGemv)
             })?;
             let flop = 2.0 * (rows * cols * tokens) as f64;
             out.push(Fp4PrefillFigure {

@@ -376,10 +376,7 @@ impl CudaLlama {
         ws.reserve(gpu, c, n, m, plan.decode_splits)?;
         match ws.fp4_path(n) {
             Fp4Path::Gemv => {}
-            Fp4Path::Gemm(order) => {
-                let tokens = n.min(FP4_GEMM_MAX_TOKENS);
-                ws.reserve_fp4_part(gpu, self.fp4_gemm_scratch(tokens, order))?;
-            }
+            Fp4Path::Gemm(order) => ws.reserve_fp4_part(gpu, self.fp4_gemm_scratch(n, order))?,
             Fp4Path::Dequantize => ws.reserve_dequant(gpu, self.largest_fp4())?,
         }
         let meta = plan.upload(gpu, &mut ws.meta)?;
@@ -466,25 +463,8 @@ impl CudaLlama {
         let linear = |w: &Linear, x, y, rows, cols, accumulate| match (w, ws.fp4_path(n)) {
             (Linear::Bf16(w), _) => gemm(b(w), x, y, n, rows, cols, accumulate),
             (Linear::Fp4(w), Fp4Path::Gemv) => w.gemv(gpu, x, y, n, accumulate),
-            (Linear::Fp4(w), Fp4Path::Gemm(SumOrder::Fastest)) => {
-                w.gemm(gpu, x, y, p(&ws.fp4_part), n, accumulate, SumOrder::Fastest)
-            }
-            (Linear::Fp4(w), Fp4Path::Gemm(SumOrder::AsGemv)) => {
-                // FP4_GEMM_MAX_TOKENS a launch, to bound the partial sums.
-                for from in (0..n).step_by(FP4_GEMM_MAX_TOKENS) {
-                    let (xs, ys) = (x + (from * cols * 2) as u64, y + (from * rows * 4) as u64);
-                    let m = FP4_GEMM_MAX_TOKENS.min(n - from);
-                    w.gemm(
-                        gpu,
-                        xs,
-                        ys,
-                        p(&ws.fp4_part),
-                        m,
-                        accumulate,
-                        SumOrder::AsGemv,
-                    )?;
-                }
-                Ok(())
+            (Linear::Fp4(w), Fp4Path::Gemm(order)) => {
+                w.gemm(gpu, x, y, p(&ws.fp4_part), n, accumulate, order)
             }
             (Linear::Fp4(w), Fp4Path::Dequantize) => {
                 let scratch = b(&ws.dequant);

@@ -435,7 +435,8 @@ fn paged_attention_matches_the_cpu_for_decode_and_prefill() {
 /// magnitudes (different scales), two matrices stacked (each its own tensor
 /// scale), 1 to 64 tokens (several token blocks), into y and added to it;
 /// the same through the tiled GEMM (1 to 100 tokens, one column split and
-/// many), and the GEMM in the GEMV's order equal to the GEMV bit for bit. And the dequantization to BF16: each weight within one BF16
+/// many), and the GEMM in the GEMV's order (64 tokens a launch past 64)
+/// equal to the GEMV bit for bit. And the dequantization to BF16: each weight within one BF16
 /// rounding.
 #[test]
 fn fp4_gemv_matches_the_cpu_reference() {
@@ -461,7 +462,10 @@ fn fp4_gemv_matches_the_cpu_reference() {
             for (n, gemm) in [1usize, 5, 8, 11, 16, 17, 40, 64]
                 .into_iter()
                 .flat_map(|n| orders.map(|o| (n, o)))
-                .chain([(100, Some(SumOrder::Fastest))])
+                .chain([
+                    (100, Some(SumOrder::Fastest)),
+                    (100, Some(SumOrder::AsGemv)),
+                ])
             {
                 let x = from_bf16(&to_bf16(&values(n * cols, 50 + n as u64)));
                 let dx = gpu.upload(&to_bf16(&x)).unwrap();
