@@ -252,10 +252,6 @@ impl Fp4Weights {
         )
     }
 
-    fn gemm_splits(&self, n: usize, sm_count: u32, order: SumOrder) -> (usize, usize, usize) {
-        gemm_splits(self.rows, self.cols, n, sm_count, order)
-    }
-
     /// f32s of partial sums [`Fp4Weights::gemm`] needs for `n` tokens.
     pub fn gemm_scratch(&self, n: usize, sm_count: u32, order: SumOrder) -> usize {
         if !self.cols.is_multiple_of(128) {
@@ -266,14 +262,14 @@ impl Fp4Weights {
             SumOrder::AsGemv => n.min(GEMM_TOKENS),
             SumOrder::Fastest => n,
         };
-        match self.gemm_splits(n, sm_count, order) {
+        match gemm_splits(self.rows, self.cols, n, sm_count, order) {
             (1, ..) => 0,
             (splits, ..) => splits * n * self.rows,
         }
     }
 
-    /// As [`Fp4Weights::gemv`], through the tiled GEMM (for 17 to 64 tokens:
-    /// x staged in shared memory once per 128 rows); `part` holds
+    /// As [`Fp4Weights::gemv`], through the tiled GEMM (for more than 16
+    /// tokens: x staged in shared memory once per 128 rows); `part` holds
     /// `gemm_scratch(n, order)` f32s. In `SumOrder::AsGemv` each token's
     /// results equal the GEMV's to the bit. The GEMM takes whole 128-column
     /// chunks; other matrices go to the GEMV.
@@ -307,7 +303,7 @@ impl Fp4Weights {
             }
             return Ok(());
         }
-        let (splits, per_split, step) = self.gemm_splits(n, gpu.sm_count, order);
+        let (splits, per_split, step) = gemm_splits(self.rows, self.cols, n, gpu.sm_count, order);
         let name = match self.format {
             Fp4Format::Mxfp4 => "fp4_gemm_mx",
             Fp4Format::Nvfp4 => "fp4_gemm_nv",
