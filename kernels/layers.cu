@@ -5,6 +5,7 @@
 // x[t] = embedding row tokens[t]. One block per token.
 extern "C" __global__ void embed_rows(const bf16* __restrict__ table, const int* __restrict__ tokens,
                                       float* __restrict__ x, int hidden) {
+    pdl_enter();
     const bf16* row = table + (u64)tokens[blockIdx.x] * hidden;
     float* out = x + (u64)blockIdx.x * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[i] = bf16_to_f32(row[i]);
@@ -14,6 +15,7 @@ extern "C" __global__ void embed_rows(const bf16* __restrict__ table, const int*
 // One block per output row.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const int* __restrict__ rows,
                                     const float* __restrict__ w, bf16* __restrict__ out, int hidden, float eps) {
+    pdl_enter();
     __shared__ float scratch[32];
     const int r = rows ? rows[blockIdx.x] : blockIdx.x;
     const float* xr = x + (u64)r * hidden;
@@ -34,6 +36,7 @@ extern "C" __global__ void rope_store_kv(const float* __restrict__ qkv, const in
                                          const int* __restrict__ slots, bf16* __restrict__ q_out,
                                          bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
                                          int n_heads, int n_kv_heads, int head_dim, float theta) {
+    pdl_enter();
     const int t = blockIdx.x;
     const int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim;
     const float* row = qkv + (u64)t * (q_dim + 2 * kv_dim);
@@ -63,6 +66,7 @@ extern "C" __global__ void rope_store_kv(const float* __restrict__ qkv, const in
 
 // gate_up: one f32 row per token, [gate (ffn) | up (ffn)]; out = bf16(silu(gate) * up).
 extern "C" __global__ void silu_mul(const float* __restrict__ gate_up, bf16* __restrict__ out, int ffn, u64 n) {
+    pdl_enter();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n * ffn; i += (u64)gridDim.x * blockDim.x) {
         const u64 t = i / ffn, j = i % ffn;
         const float g = gate_up[t * 2 * ffn + j], u = gate_up[t * 2 * ffn + ffn + j];
@@ -73,6 +77,7 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gate_up, bf16* __r
 // Greedy sampling on the device: out[b] = argmax of logits row b (the lowest
 // index among equal maxima, as the CPU sampler picks). One block per row.
 extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int vocab, int* __restrict__ out) {
+    pdl_enter();
     __shared__ float best_v[32];
     __shared__ int best_i[32];
     const float* row = logits + (u64)blockIdx.x * vocab;
