@@ -8,6 +8,7 @@ pub mod bench;
 pub mod device;
 pub mod executor;
 pub mod fp4;
+pub mod layers;
 pub mod model;
 pub mod nvrtc;
 mod plan;

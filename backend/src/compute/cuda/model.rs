@@ -17,6 +17,7 @@ use super::device::{DevPtr, GEMM_ROW_TILE, Gpu, GpuError, elementwise, grid};
 use super::fp4::{
     FP4_COLS_MULTIPLE, FP4_GEMM_MAX_TOKENS, FP4_GEMV_MAX_TOKENS, Fp4Weights, SumOrder,
 };
+use super::layers;
 use crate::compute::cpu::{Quant, Weight};
 use crate::compute::fp4::{Fp4Format, Fp4Matrix};
 use crate::model::{Llama, LlamaConfig, SeqChunk, WeightFormat};
@@ -150,6 +151,7 @@ pub enum ChunkResult {
 impl CudaLlama {
     fn check_shape(config: &LlamaConfig) -> Result<(), GpuError> {
         config.check().map_err(GpuError::Other)?;
+        layers::check_shape(config)?;
         if ![64, 128].contains(&config.head_dim) {
             return Err(GpuError::Other(format!(
                 "the CUDA attention kernels take heads of 64 or 128, not {}",
@@ -448,7 +450,7 @@ impl CudaLlama {
     ) -> Result<(), GpuError> {
         let c = &self.config;
         let gpu = &*self.gpu;
-        let (h, q_dim, kv_dim, ffn, hd) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn, c.head_dim);
+        let (h, q_dim, kv_dim, ffn) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
         let (n, m) = (plan.tokens.len(), plan.logit_rows.len());
         let p = |s: &CudaSlice<f32>| gpu.ptr(s, 0);
         let b = |s: &CudaSlice<Bf16>| gpu.ptr(s, 0);
@@ -482,58 +484,33 @@ impl CudaLlama {
         )?;
         for (li, layer) in self.layers.iter().enumerate() {
             let (k_cache, v_cache) = kv.layer(gpu, li);
-            gpu.launch(
-                "rms_norm",
-                grid((n32, 1, 1), 256, 0),
-                &[&x, &null, &p(&layer.attn_norm), &xn, &h32, &eps],
-            )?;
+            layers::rms_norm(gpu, x, null, p(&layer.attn_norm), xn, n, h, eps)?;
             linear(&layer.wqkv, xn, qkv, q_dim + 2 * kv_dim, h, false)?;
-            gpu.launch(
-                "rope_store_kv",
-                grid((n32, 1, 1), 128, 0),
-                &[
-                    &qkv,
-                    &meta.positions,
-                    &meta.slots,
-                    &qb,
-                    &k_cache,
-                    &v_cache,
-                    &(c.n_heads as i32),
-                    &(c.n_kv_heads as i32),
-                    &(hd as i32),
-                    &c.rope_theta,
-                ],
+            layers::rope_store_kv(
+                gpu,
+                c,
+                qkv,
+                meta.positions,
+                meta.slots,
+                qb,
+                k_cache,
+                v_cache,
+                n,
             )?;
             launch_attention(gpu, c, ws, plan, meta, qb, k_cache, v_cache, attn)?;
             linear(&layer.wo, attn, x, h, q_dim, true)?;
-            gpu.launch(
-                "rms_norm",
-                grid((n32, 1, 1), 256, 0),
-                &[&x, &null, &p(&layer.ffn_norm), &xn, &h32, &eps],
-            )?;
+            layers::rms_norm(gpu, x, null, p(&layer.ffn_norm), xn, n, h, eps)?;
             linear(&layer.w_gate_up, xn, gate_up, 2 * ffn, h, false)?;
-            gpu.launch(
-                "silu_mul",
-                elementwise(n * ffn),
-                &[&gate_up, &act, &(ffn as i32), &(n as u64)],
-            )?;
+            layers::silu_mul(gpu, gate_up, act, n, ffn)?;
             linear(&layer.w_down, act, x, h, ffn, true)?;
         }
         if m > 0 {
             let head_in = b(&ws.head_in);
-            gpu.launch(
-                "rms_norm",
-                grid((m as u32, 1, 1), 256, 0),
-                &[&x, &meta.logit_rows, &p(&self.norm), &head_in, &h32, &eps],
-            )?;
+            layers::rms_norm(gpu, x, meta.logit_rows, p(&self.norm), head_in, m, h, eps)?;
             let head = b(self.lm_head.as_ref().unwrap_or(&self.embed));
             gemm(head, head_in, p(&ws.logits), m, c.vocab, h, false)?;
             if output == StepOutput::Argmax {
-                gpu.launch(
-                    "argmax_rows",
-                    grid((m as u32, 1, 1), 1024, 0),
-                    &[&p(&ws.logits), &(c.vocab as i32), &gpu.ptr(&ws.argmax, 0)],
-                )?;
+                layers::argmax_rows(gpu, p(&ws.logits), gpu.ptr(&ws.argmax, 0), m, c.vocab)?;
             }
         }
         Ok(())

@@ -10,7 +10,8 @@ use std::sync::Arc;
 
 use half::bf16;
 
-use super::device::{Gpu, elementwise, grid};
+use super::device::Gpu;
+use super::layers;
 use super::model::{CudaKvCache, Workspace, launch_attention};
 use super::plan::{SplitPolicy, StepPlan};
 use crate::compute::cpu::{Weight, dot, rms_norm, rope, rope_table, silu, softmax};
@@ -81,47 +82,39 @@ fn dequantization_matches_the_cpu_rows() {
 #[test]
 fn rms_norm_silu_and_argmax_match_the_cpu() {
     let Some(gpu) = gpu() else { return };
-    let (n, h) = (5, 576);
-    let x = values(n * h, 1);
-    let w = values(h, 2);
-    let (dx, dw) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap());
-    let out = gpu.alloc::<u16>(n * h).unwrap();
-    // Rows 4 and 1 only, through the row list.
-    let rows = gpu.upload(&[4i32, 1]).unwrap();
-    let eps = 1e-5f32;
-    gpu.launch(
-        "rms_norm",
-        grid((2, 1, 1), 256, 0),
-        &[
-            &gpu.ptr(&dx, 0),
-            &gpu.ptr(&rows, 0),
-            &gpu.ptr(&dw, 0),
-            &gpu.ptr(&out, 0),
-            &(h as i32),
-            &eps,
-        ],
-    )
-    .unwrap();
-    let got = from_bf16(&gpu.download(&out, 2 * h).unwrap());
-    let mut want = rms_norm(&x[4 * h..5 * h], &w, eps);
-    want.extend(rms_norm(&x[h..2 * h], &w, eps));
-    assert_bf16_close(&got, &want, "rms_norm");
+    let n = 5;
+    // 576: SmolLM2's hidden, a part of one float4 a thread; 8,200: three
+    // float4s a thread, the last part-filled.
+    for h in [576, 8200] {
+        let x = values(n * h, 1);
+        let w = values(h, 2);
+        let (dx, dw) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap());
+        let out = gpu.alloc::<u16>(n * h).unwrap();
+        // Rows 4 and 1 only, through the row list.
+        let rows = gpu.upload(&[4i32, 1]).unwrap();
+        let eps = 1e-5f32;
+        layers::rms_norm(
+            &gpu,
+            gpu.ptr(&dx, 0),
+            gpu.ptr(&rows, 0),
+            gpu.ptr(&dw, 0),
+            gpu.ptr(&out, 0),
+            2,
+            h,
+            eps,
+        )
+        .unwrap();
+        let got = from_bf16(&gpu.download(&out, 2 * h).unwrap());
+        let mut want = rms_norm(&x[4 * h..5 * h], &w, eps);
+        want.extend(rms_norm(&x[h..2 * h], &w, eps));
+        assert_bf16_close(&got, &want, "rms_norm");
+    }
 
     let ffn = 300;
     let gate_up: Vec<f32> = values(n * 2 * ffn, 3).iter().map(|v| v * 6.0).collect();
     let dg = gpu.upload(&gate_up).unwrap();
     let act = gpu.alloc::<u16>(n * ffn).unwrap();
-    gpu.launch(
-        "silu_mul",
-        elementwise(n * ffn),
-        &[
-            &gpu.ptr(&dg, 0),
-            &gpu.ptr(&act, 0),
-            &(ffn as i32),
-            &(n as u64),
-        ],
-    )
-    .unwrap();
+    layers::silu_mul(&gpu, gpu.ptr(&dg, 0), gpu.ptr(&act, 0), n, ffn).unwrap();
     let got = from_bf16(&gpu.download(&act, n * ffn).unwrap());
     let want: Vec<f32> = (0..n * ffn)
         .map(|i| {
@@ -138,12 +131,7 @@ fn rms_norm_silu_and_argmax_match_the_cpu() {
     logits[2 * vocab + 49_151] = 9.0;
     let dl = gpu.upload(&logits).unwrap();
     let picked = gpu.alloc::<i32>(3).unwrap();
-    gpu.launch(
-        "argmax_rows",
-        grid((3, 1, 1), 1024, 0),
-        &[&gpu.ptr(&dl, 0), &(vocab as i32), &gpu.ptr(&picked, 0)],
-    )
-    .unwrap();
+    layers::argmax_rows(&gpu, gpu.ptr(&dl, 0), gpu.ptr(&picked, 0), 3, vocab).unwrap();
     let want0 = (0..vocab).fold(0, |best, i| if logits[i] > logits[best] { i } else { best });
     assert_eq!(
         gpu.download(&picked, 3).unwrap(),
@@ -269,21 +257,16 @@ fn rope_and_the_cache_write_match_the_cpu() {
     );
     let q_out = gpu.alloc::<u16>(n * q_dim).unwrap();
     let (k_cache, v_cache) = kv.layer(&gpu, 0);
-    gpu.launch(
-        "rope_store_kv",
-        grid((n as u32, 1, 1), 128, 0),
-        &[
-            &gpu.ptr(&dqkv, 0),
-            &gpu.ptr(&dpos, 0),
-            &gpu.ptr(&dslots, 0),
-            &gpu.ptr(&q_out, 0),
-            &k_cache,
-            &v_cache,
-            &(c.n_heads as i32),
-            &(c.n_kv_heads as i32),
-            &(c.head_dim as i32),
-            &c.rope_theta,
-        ],
+    layers::rope_store_kv(
+        &gpu,
+        &c,
+        gpu.ptr(&dqkv, 0),
+        gpu.ptr(&dpos, 0),
+        gpu.ptr(&dslots, 0),
+        gpu.ptr(&q_out, 0),
+        k_cache,
+        v_cache,
+        n,
     )
     .unwrap();
     let got_q = from_bf16(&gpu.download(&q_out, n * q_dim).unwrap());

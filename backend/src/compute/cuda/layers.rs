@@ -1,0 +1,122 @@
+//! Launches of the per-token kernels around the GEMMs (`kernels/layers.cu`):
+//! RMSNorm, RoPE with the KV cache write, SwiGLU and greedy sampling, each
+//! with the grid its kernel is written for. The model and the kernel tests
+//! both launch through here.
+
+use super::device::{DevPtr, Gpu, GpuError, elementwise, grid};
+use crate::model::LlamaConfig;
+
+/// RMSNorm's block size and float4s per thread (`RMS_THREADS`, `RMS_VEC`).
+const RMS_THREADS: u32 = 1024;
+const RMS_MAX_HIDDEN: usize = RMS_THREADS as usize * 4 * 4;
+
+/// The shapes these kernels take, checked when a model is built.
+pub fn check_shape(config: &LlamaConfig) -> Result<(), GpuError> {
+    if !config.hidden.is_multiple_of(4) || config.hidden > RMS_MAX_HIDDEN {
+        return Err(GpuError::Other(format!(
+            "the RMSNorm kernel takes a hidden size that is a multiple of 4, up to \
+             {RMS_MAX_HIDDEN}, not {}",
+            config.hidden
+        )));
+    }
+    if !config.vocab.is_multiple_of(4) {
+        return Err(GpuError::Other(format!(
+            "the sampling kernel takes a vocabulary that is a multiple of 4, not {}",
+            config.vocab
+        )));
+    }
+    Ok(())
+}
+
+/// `out[b] = bf16(x[r] / rms(x[r]) * w)` for `count` rows: r = `rows[b]`, or
+/// b where `rows` is 0. x f32 rows of `hidden`, out BF16.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm(
+    gpu: &Gpu,
+    x: DevPtr,
+    rows: DevPtr,
+    w: DevPtr,
+    out: DevPtr,
+    count: usize,
+    hidden: usize,
+    eps: f32,
+) -> Result<(), GpuError> {
+    // SAFETY (kernel): x holds every row named, w and out `hidden` floats
+    // and `count` rows; hidden was checked by `check_shape`.
+    gpu.launch(
+        "rms_norm",
+        grid((count as u32, 1, 1), RMS_THREADS, 0),
+        &[&x, &rows, &w, &out, &(hidden as i32), &eps],
+    )
+}
+
+/// RoPE on Q and K of `n` tokens' QKV rows (f32), Q to `q_out` (BF16), K and
+/// V into this layer's cache at `slots[t]`, position `positions[t]`.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_store_kv(
+    gpu: &Gpu,
+    c: &LlamaConfig,
+    qkv: DevPtr,
+    positions: DevPtr,
+    slots: DevPtr,
+    q_out: DevPtr,
+    k_cache: DevPtr,
+    v_cache: DevPtr,
+    n: usize,
+) -> Result<(), GpuError> {
+    // SAFETY (kernel): qkv holds n rows of q_dim + 2 kv_dim, positions and
+    // slots n entries, q_out n rows of q_dim; every slot is in the cache.
+    gpu.launch(
+        "rope_store_kv",
+        grid(
+            (n as u32, (c.n_heads + c.n_kv_heads) as u32, 1),
+            (c.head_dim / 2) as u32,
+            0,
+        ),
+        &[
+            &qkv,
+            &positions,
+            &slots,
+            &q_out,
+            &k_cache,
+            &v_cache,
+            &(c.n_heads as i32),
+            &(c.n_kv_heads as i32),
+            &(c.head_dim as i32),
+            &c.rope_theta,
+        ],
+    )
+}
+
+/// `act = bf16(silu(gate) * up)` for `n` rows of `[gate | up]` (f32, 2 ffn).
+pub fn silu_mul(
+    gpu: &Gpu,
+    gate_up: DevPtr,
+    act: DevPtr,
+    n: usize,
+    ffn: usize,
+) -> Result<(), GpuError> {
+    // SAFETY (kernel): gate_up holds n rows of 2 ffn, act n rows of ffn.
+    gpu.launch(
+        "silu_mul",
+        elementwise(n * ffn),
+        &[&gate_up, &act, &(ffn as i32), &(n as u64)],
+    )
+}
+
+/// `out[b]` = the index of row b's largest logit (the lowest among ties),
+/// for `count` rows of `vocab` (a multiple of 4).
+pub fn argmax_rows(
+    gpu: &Gpu,
+    logits: DevPtr,
+    out: DevPtr,
+    count: usize,
+    vocab: usize,
+) -> Result<(), GpuError> {
+    // SAFETY (kernel): logits holds count rows of vocab, out count ints.
+    gpu.launch(
+        "argmax_rows",
+        grid((count as u32, 1, 1), 1024, 0),
+        &[&logits, &(vocab as i32), &out],
+    )
+}
