@@ -324,28 +324,22 @@ __device__ __forceinline__ void attention_decode_tiles(ATTN_ARGS) {
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_decode_hd64_g4(ATTN_ARGS) {
-    pdl_enter();
     attention_decode_tiles<64, 4>(ATTN_PASS);
 }
 extern "C" __global__ void __launch_bounds__(128) attention_decode_hd64_g8(ATTN_ARGS) {
-    pdl_enter();
     attention_decode_tiles<64, 8>(ATTN_PASS);
 }
 extern "C" __global__ void __launch_bounds__(128) attention_decode_hd128_g4(ATTN_ARGS) {
-    pdl_enter();
     attention_decode_tiles<128, 4>(ATTN_PASS);
 }
 extern "C" __global__ void __launch_bounds__(128) attention_decode_hd128_g8(ATTN_ARGS) {
-    pdl_enter();
     attention_decode_tiles<128, 8>(ATTN_PASS);
 }
 // Prefill: up to 64 rows (query tokens x query heads of a KV head) per item.
 extern "C" __global__ void __launch_bounds__(256) attention_prefill_hd64(ATTN_ARGS) {
-    pdl_enter();
     attention_tile_loop<64, 64, 256, 64>(ATTN_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256) attention_prefill_hd128(ATTN_ARGS) {
-    pdl_enter();
     attention_tile_loop<128, 64, 256, 64>(ATTN_PASS);
 }
 
@@ -354,7 +348,6 @@ extern "C" __global__ void __launch_bounds__(256) attention_prefill_hd128(ATTN_A
 extern "C" __global__ void attention_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                                              const int* __restrict__ rows, int n_heads, int head_dim, int n_splits,
                                              bf16* __restrict__ out) {
-    pdl_enter();
     const u64 token = rows[blockIdx.x];
     const int head = blockIdx.y, d = threadIdx.x;
     const u64 base = (token * n_heads + head) * n_splits;

@@ -57,30 +57,3 @@ __device__ __forceinline__ u64 splitmix64(u64 x) {
     x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
     return x ^ (x >> 31);
 }
-
-// Programmatic dependent launch (Hopper on; Gpu::launch asks for it on every
-// launch): a kernel's blocks may start while the kernel ahead of it in the
-// stream is still running, so that launching and ramping up overlap its tail.
-// pdl_wait() blocks until the kernel ahead has finished and its writes are
-// visible; every kernel calls it before it reads anything an earlier kernel
-// wrote or writes anything one reads (only weights, which no step writes,
-// may be read before). pdl_release() lets the next kernel start launching;
-// as it launches only once every block of this one has released (or ended),
-// its blocks take SM room only as this one's leave.
-// (`kernels_wait_before_their_work` in nvrtc.rs checks that every kernel
-// calls one of these.)
-__device__ __forceinline__ void pdl_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_release() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-// Both, first thing: for kernels with nothing to do before their inputs.
-__device__ __forceinline__ void pdl_enter() {
-    pdl_release();
-    pdl_wait();
-}

@@ -200,7 +200,6 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     float acc[NT][4];
 #pragma unroll
     for (int i = 0; i < NT; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-    pdl_release();
     for (int c0 = warp; c0 < chunks; c0 += WARPS * UNROLL) {
         uint4 wa[UNROLL], wb[UNROLL];
         u32 sa[UNROLL], sb[UNROLL];
@@ -209,10 +208,6 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
             const int c = c0 + WARPS * u;
             fp4_load<NV>(codes, scales, ra, rb, rows, cols, (c << 7) + 32 * t, c < chunks, wa[u], wb[u], sa[u], sb[u]);
         }
-        // The first chunks' weights are on their way while the kernel ahead
-        // finishes (at 4,096 columns that is all of them); x is not read
-        // before it has.
-        pdl_wait();
 #pragma unroll
         for (int u = 0; u < UNROLL; u++) {
             const int c = c0 + WARPS * u, k = (c << 7) + 32 * t;
@@ -247,7 +242,6 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
             }
         }
     }
-    pdl_wait();  // for a warp with no chunk (a no-op once waited)
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -336,7 +330,6 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
                                          const float* __restrict__ row_scale, const bf16* __restrict__ x,
                                          float* __restrict__ y, float* __restrict__ part, int n, int rows, int cols,
                                          float out_pow2, int shift, int accumulate, int per_split, int step) {
-    pdl_enter();  // x and the weights go through the same cp.async stages
     extern __shared__ __align__(16) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.y * 128, ra = row0 + warp * 16 + g, rb = ra + 8;
@@ -444,7 +437,6 @@ extern "C" __global__ void __launch_bounds__(256) fp4_gemm_nv(FP4_GEMM_ARGS) { f
 // y[j, r] (+)= row_scale[r] * out_pow2 * sum over splits of part[s, j, r].
 extern "C" __global__ void fp4_splitk_sum(const float* __restrict__ part, int splits, const float* __restrict__ row_scale,
                                           float out_pow2, float* __restrict__ y, int n, int rows, int accumulate) {
-    pdl_enter();
     const u64 total = (u64)n * rows;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         float s = 0.0f;
@@ -461,7 +453,6 @@ extern "C" __global__ void fp4_splitk_sum(const float* __restrict__ part, int sp
 extern "C" __global__ void fp4_to_bf16(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
                                        const float* __restrict__ row_scale, bf16* __restrict__ out, int rows, int cols,
                                        int nv) {
-    pdl_enter();
     const u64 groups = (u64)rows * cols / 32;
     for (u64 gi = blockIdx.x * (u64)blockDim.x + threadIdx.x; gi < groups; gi += (u64)gridDim.x * blockDim.x) {
         const u64 e0 = gi * 32;

@@ -31,7 +31,6 @@ __device__ __forceinline__ void gemv(const bf16* __restrict__ w, const bf16* __r
     for (int r = 0; r < ROWS; r++)
 #pragma unroll
         for (int j = 0; j < N; j++) acc[r][j] = 0.0f;
-    pdl_release();
     for (int c0 = threadIdx.x * 8; c0 < cols; c0 += STEP * UNROLL) {
         uint4 wv[UNROLL][ROWS];
 #pragma unroll
@@ -44,7 +43,6 @@ __device__ __forceinline__ void gemv(const bf16* __restrict__ w, const bf16* __r
                                : make_uint4(0, 0, 0, 0);
             }
         }
-        pdl_wait();  // weights may load while the kernel ahead finishes; x not (common.cuh)
 #pragma unroll
         for (int u = 0; u < UNROLL; u++) {
             const int c = c0 + u * STEP;
@@ -60,7 +58,6 @@ __device__ __forceinline__ void gemv(const bf16* __restrict__ w, const bf16* __r
             }
         }
     }
-    pdl_wait();  // for a thread past the last column (a no-op once waited)
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
 #pragma unroll

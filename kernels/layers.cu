@@ -5,7 +5,6 @@
 // x[t] = embedding row tokens[t]. One block per token.
 extern "C" __global__ void embed_rows(const bf16* __restrict__ table, const int* __restrict__ tokens,
                                       float* __restrict__ x, int hidden) {
-    pdl_enter();
     const bf16* row = table + (u64)tokens[blockIdx.x] * hidden;
     float* out = x + (u64)blockIdx.x * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[i] = bf16_to_f32(row[i]);
@@ -22,7 +21,6 @@ extern "C" __global__ void embed_rows(const bf16* __restrict__ table, const int*
 #define RMS_VEC 4
 extern "C" __global__ void __launch_bounds__(RMS_THREADS) rms_norm(const float* __restrict__ x, const int* __restrict__ rows,
                                     const float* __restrict__ w, bf16* __restrict__ out, int hidden, float eps) {
-    pdl_enter();
     __shared__ float scratch[32];
     const int r = rows ? rows[blockIdx.x] : blockIdx.x;
     const float4* xr = (const float4*)(x + (u64)r * hidden);
@@ -56,15 +54,18 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rms_norm(const float* 
 // Rotates adjacent pairs (2i, 2i + 1) of every Q and K head by pos * theta^(-2i / head_dim),
 // writes Q as bf16 to q_out, and K and V as bf16 into cache slot slots[t]
 // (slot = block * block_size + pos % block_size; the caches are this layer's).
-// Grid (token, head of Q then K), head_dim / 2 threads: a pair each, and a
-// K head's block copies the same head of V. (One block a token looping over
-// the 2,560 pairs of an 8B layer took 15.7 us at batch 1 under ncu.)
+// Grid (token, ROPE_HEADS heads of Q then K), a pair a thread (ROPE_HEADS *
+// head_dim / 2 threads); a K head's threads copy the same head of V. (One
+// block a token looping over the 2,560 pairs of an 8B layer took 15.7 us at
+// batch 1 under ncu; one head a block, 51 us for a 1,024-token prefill.)
+#define ROPE_HEADS 4
 extern "C" __global__ void rope_store_kv(const float* __restrict__ qkv, const int* __restrict__ positions,
                                          const int* __restrict__ slots, bf16* __restrict__ q_out,
                                          bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
                                          int n_heads, int n_kv_heads, int head_dim, float theta) {
-    pdl_enter();
-    const int t = blockIdx.x, head = blockIdx.y, i = threadIdx.x;
+    const int half = head_dim / 2;
+    const int t = blockIdx.x, head = blockIdx.y * ROPE_HEADS + threadIdx.x / half, i = threadIdx.x % half;
+    if (head >= n_heads + n_kv_heads) return;
     const int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim;
     const float* row = qkv + (u64)t * (q_dim + 2 * kv_dim);
     const float pos = (float)positions[t];
@@ -87,7 +88,6 @@ extern "C" __global__ void rope_store_kv(const float* __restrict__ qkv, const in
 
 // gate_up: one f32 row per token, [gate (ffn) | up (ffn)]; out = bf16(silu(gate) * up).
 extern "C" __global__ void silu_mul(const float* __restrict__ gate_up, bf16* __restrict__ out, int ffn, u64 n) {
-    pdl_enter();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n * ffn; i += (u64)gridDim.x * blockDim.x) {
         const u64 t = i / ffn, j = i % ffn;
         const float g = gate_up[t * 2 * ffn + j], u = gate_up[t * 2 * ffn + ffn + j];
@@ -104,7 +104,6 @@ __device__ __forceinline__ void argmax_take(float x, int i, float& v, int& idx) 
     if (x > v || (x == v && i < idx)) { v = x; idx = i; }
 }
 extern "C" __global__ void __launch_bounds__(1024) argmax_rows(const float* __restrict__ logits, int vocab, int* __restrict__ out) {
-    pdl_enter();
     __shared__ float best_v[32];
     __shared__ int best_i[32];
     const float4* row = (const float4*)(logits + (u64)blockIdx.x * vocab);

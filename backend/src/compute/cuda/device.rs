@@ -9,14 +9,13 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::ptr::null_mut;
 use std::sync::Arc;
 
 use cudarc::cublas::{CudaBlas, sys as blas};
-use cudarc::driver::sys::{self, CUfunction_attribute};
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError,
-    LaunchConfig, ValidAsZeroBits,
+    LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 
 use super::nvrtc::{self, CompileError, KERNEL_FILES};
@@ -70,9 +69,6 @@ pub struct Gpu {
     /// What the kernels were compiled for, e.g. "sm_90a".
     pub arch: String,
     pub sm_count: u32,
-    /// Kernels are launched with programmatic dependent launch (see
-    /// `launch`): compute capability 9.0 on, unless `SLUICE_PDL=0`.
-    pub pdl: bool,
     blas: CudaBlas,
     /// cuBLAS's workspace (kept alive with the handle).
     #[allow(dead_code)]
@@ -105,7 +101,6 @@ impl Gpu {
         let stream = ctx.new_stream()?;
         let (major, minor) = ctx.compute_capability()?;
         let arch = arch_for(major, minor);
-        let pdl = major >= 9 && std::env::var("SLUICE_PDL").map_or(true, |v| v != "0");
         let sm_count = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as u32;
@@ -141,7 +136,6 @@ impl Gpu {
             stream,
             arch,
             sm_count,
-            pdl,
             blas,
             functions,
         }))
@@ -205,14 +199,7 @@ impl Gpu {
         Ok(self.stream.synchronize()?)
     }
 
-    /// Launches kernel `name` with `args` on the stream.
-    ///
-    /// With `pdl`, as a programmatic dependent launch: the kernel may begin
-    /// before the one ahead of it has finished (graph capture keeps this as
-    /// a programmatic edge), which hides most of the gap between the ~300
-    /// small kernels of a decode step, and lets a GEMV fetch its weights
-    /// while the kernel ahead still runs. Every kernel waits (`pdl_wait`,
-    /// kernels/common.cuh) before it touches what an earlier one wrote.
+    /// Launches kernel `name` with `args` (each pushed by reference).
     pub fn launch(
         &self,
         name: &str,
@@ -228,37 +215,14 @@ impl Gpu {
                 config.shared_mem_bytes as i32,
             )?;
         }
-        let mut params: Vec<*mut c_void> = args.iter().map(|a| a.param()).collect();
-        let mut attribute = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value: sys::CUlaunchAttributeValue {
-                programmaticStreamSerializationAllowed: 1,
-            },
-        };
-        let (gx, gy, gz) = config.grid_dim;
-        let (bx, by, bz) = config.block_dim;
-        let launch = sys::CUlaunchConfig {
-            gridDimX: gx,
-            gridDimY: gy,
-            gridDimZ: gz,
-            blockDimX: bx,
-            blockDimY: by,
-            blockDimZ: bz,
-            sharedMemBytes: config.shared_mem_bytes,
-            hStream: self.stream.cu_stream(),
-            attrs: &mut attribute,
-            numAttrs: u32::from(self.pdl),
-        };
-        self.bind()?;
-        // SAFETY: the kernel's parameters are, in order, the types of `args`
-        // (each a plain value that outlives the call, which copies them);
+        let mut builder = self.stream.launch_builder(f);
+        for a in args {
+            a.push(&mut builder);
+        }
+        // SAFETY: the kernel's parameters are, in order, the types pushed;
         // every pointer is a live device buffer of the size the kernel reads
         // (each call site says why).
-        unsafe {
-            sys::cuLaunchKernelEx(&launch, f.cu_function(), params.as_mut_ptr(), null_mut())
-                .result()?;
-        }
+        unsafe { builder.launch(config) }?;
         Ok(())
     }
 
@@ -404,17 +368,16 @@ impl Gpu {
     }
 }
 
-/// A value a kernel takes, passed to the launch by address.
+/// A value a kernel takes: pushed onto a launch by reference.
 pub trait KernelArg {
-    /// The address of the value (the driver copies it at launch).
-    fn param(&self) -> *mut c_void;
+    fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>);
 }
 
 macro_rules! kernel_arg {
     ($($t:ty),*) => {$(
         impl KernelArg for $t {
-            fn param(&self) -> *mut c_void {
-                (self as *const $t).cast_mut().cast()
+            fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) {
+                builder.arg(self);
             }
         }
     )*};

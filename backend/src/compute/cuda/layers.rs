@@ -9,6 +9,8 @@ use crate::model::LlamaConfig;
 /// RMSNorm's block size and float4s per thread (`RMS_THREADS`, `RMS_VEC`).
 const RMS_THREADS: u32 = 1024;
 const RMS_MAX_HIDDEN: usize = RMS_THREADS as usize * 4 * 4;
+/// Heads a RoPE block takes (`ROPE_HEADS`).
+const ROPE_HEADS: usize = 4;
 
 /// The shapes these kernels take, checked when a model is built.
 pub fn check_shape(config: &LlamaConfig) -> Result<(), GpuError> {
@@ -69,8 +71,12 @@ pub fn rope_store_kv(
     gpu.launch(
         "rope_store_kv",
         grid(
-            (n as u32, (c.n_heads + c.n_kv_heads) as u32, 1),
-            (c.head_dim / 2) as u32,
+            (
+                n as u32,
+                (c.n_heads + c.n_kv_heads).div_ceil(ROPE_HEADS) as u32,
+                1,
+            ),
+            (ROPE_HEADS * c.head_dim / 2) as u32,
             0,
         ),
         &[
