@@ -184,69 +184,6 @@ __device__ __forceinline__ void fp4_store(float* __restrict__ y, const float* __
     }
 }
 
-// x for a chunk: this lane's 32 columns (k ..) of token g of each 8-token
-// tile (zeros past n or the row).
-template <int NT>
-__device__ __forceinline__ void fp4_load_x(uint4 (&xv)[NT][4], const bf16* __restrict__ x, int n, int cols, int g, int k) {
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-        const int j = nt * 8 + g;
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            xv[nt][i] = j < n && k < cols ? __ldg((const uint4*)(x + (u64)j * cols + k + 8 * i)) : make_uint4(0, 0, 0, 0);
-    }
-}
-
-// One 16-row x 128-column chunk into the accumulators of NT token tiles.
-template <bool NV, int NT>
-__device__ __forceinline__ void fp4_chunk(float (&acc)[NT][4], uint4 wa, uint4 wb, u32 sa, u32 sb,
-                                          const uint4 (&xv)[NT][4], int shift) {
-    if (NT == 1) {
-        // One tile: each step's fragment made just before its mma (fewer
-        // live registers; 8% faster at 1 token than below).
-        u32 s[4];
-        fp4_scale_words<NV>(s, sa, sb, shift);
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            u32 f[4];
-            fp4_frag<0>(f, wa, wb, s, q);
-            fp4_mma(acc[0], f, xv[0][q], 0);
-            fp4_frag<1>(f, wa, wb, s, q);
-            fp4_mma(acc[0], f, xv[0][q], 1);
-        }
-    } else {
-        u32 a[8][4];
-        fp4_dequant<NV>(a, wa, wb, sa, sb, shift);
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) fp4_mma_chunk(acc[nt], a, xv[nt]);
-    }
-}
-
-// The warps' partial sums of a 16-row tile added in warp order (fixed, so
-// deterministic) and stored by warp 0. Synchronizes the block.
-template <int NT, int WARPS>
-__device__ __forceinline__ void fp4_block_sum(float (&partial)[WARPS][NT][32][4], const float (&acc)[NT][4],
-                                              float* __restrict__ y, const float* __restrict__ row_scale, int ra,
-                                              int rb, int n, int rows, float out_pow2, int accumulate) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) partial[warp][nt][lane][i] = acc[nt][i];
-    __syncthreads();
-    if (warp == 0) {
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                float s = 0.0f;
-#pragma unroll
-                for (int w = 0; w < WARPS; w++) s += partial[w][nt][lane][i];
-                fp4_store(y, row_scale, s, i < 2 ? ra : rb, nt * 8 + 2 * t + (i & 1), n, rows, out_pow2, accumulate);
-            }
-    }
-}
-
 template <bool NV, int NT, int UNROLL, int WARPS>
 __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
                                          const float* __restrict__ row_scale, const bf16* __restrict__ x,
@@ -276,11 +213,51 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
             const int c = c0 + WARPS * u, k = (c << 7) + 32 * t;
             if (c >= chunks) break;
             uint4 xv[NT][4];
-            fp4_load_x<NT>(xv, x, n, cols, g, k);
-            fp4_chunk<NV, NT>(acc, wa[u], wb[u], sa[u], sb[u], xv, shift);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const int j = nt * 8 + g;
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    xv[nt][i] = j < n && k < cols ? __ldg((const uint4*)(x + (u64)j * cols + k + 8 * i))
+                                                  : make_uint4(0, 0, 0, 0);
+            }
+            if (NT == 1) {
+                // One tile: each step's fragment made just before its mma
+                // (fewer live registers; 8% faster at 1 token than below).
+                u32 s[4];
+                fp4_scale_words<NV>(s, sa[u], sb[u], shift);
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    u32 f[4];
+                    fp4_frag<0>(f, wa[u], wb[u], s, q);
+                    fp4_mma(acc[0], f, xv[0][q], 0);
+                    fp4_frag<1>(f, wa[u], wb[u], s, q);
+                    fp4_mma(acc[0], f, xv[0][q], 1);
+                }
+            } else {
+                u32 a[8][4];
+                fp4_dequant<NV>(a, wa[u], wb[u], sa[u], sb[u], shift);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) fp4_mma_chunk(acc[nt], a, xv[nt]);
+            }
         }
     }
-    fp4_block_sum<NT, WARPS>(partial, acc, y, row_scale, ra, rb, n, rows, out_pow2, accumulate);
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) partial[warp][nt][lane][i] = acc[nt][i];
+    __syncthreads();
+    if (warp == 0) {  // the fixed order of the sum keeps it deterministic
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                float s = 0.0f;
+#pragma unroll
+                for (int w = 0; w < WARPS; w++) s += partial[w][nt][lane][i];
+                fp4_store(y, row_scale, s, i < 2 ? ra : rb, nt * 8 + 2 * t + (i & 1), n, rows, out_pow2, accumulate);
+            }
+    }
 }
 
 // cols a multiple of 32; 8 (n8) or 16 (n16) tokens a block.
@@ -456,144 +433,6 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
 #define FP4_GEMM_PASS codes, scales, row_scale, x, y, part, n, rows, cols, out_pow2, shift, accumulate, per_split, step
 extern "C" __global__ void __launch_bounds__(256) fp4_gemm_mx(FP4_GEMM_ARGS) { fp4_gemm<false>(FP4_GEMM_PASS); }
 extern "C" __global__ void __launch_bounds__(256) fp4_gemm_nv(FP4_GEMM_ARGS) { fp4_gemm<true>(FP4_GEMM_PASS); }
-
-// --- The streamed GEMV: up to 16 tokens, weights through shared memory ---
-//
-// The GEMV above loads its whole tile into registers and then multiplies
-// it, so a block's loads and math take turns, and what overlaps them is only
-// other blocks (2-3 an SM, which start and stop together). Here a persistent
-// grid (STREAM_BLOCKS_PER_SM blocks an SM, fp4.rs) walks the 16-row tiles
-// (tile blockIdx.x, + gridDim.x, ...), each in slabs of STREAM_COLS columns,
-// through a ring of STREAM_STAGES shared-memory stages: warp 0 copies slab
-// i + STREAM_STAGES with cp.async.bulk (TMA's 1-D bulk copy: one instruction
-// a row of codes or scales, no registers, completion counted in bytes on the
-// stage's mbarrier) as soon as every warp is done with slab i, so the copies
-// run ahead of the math. Warp w takes chunks w and w + 8 of each 16-chunk
-// slab: over the row that is chunks w, w + 8, w + 16, ... in order, as the
-// GEMV's warp w, and with the same chunk math and warp sum the results are
-// the GEMV's to the bit (tested). Takes cols a multiple of 512 (so that
-// every row's codes and scales of a slab are whole 16-byte units).
-#define STREAM_COLS 2048
-#define STREAM_STAGES 4
-// A stage: 16 rows of codes, each padded from 1,024 to 1,088 bytes (68
-// 16-byte units: rows g and g + 1 of a quarter-warp's loads fall in
-// different halves of the banks), then 16 rows of scale bytes at 80 (MX, 64
-// used) or 144 (NV, 128 used) bytes a row (distinct banks for the 8 rows a
-// warp's lanes read).
-#define STREAM_CODE_ROW (STREAM_COLS / 2 + 64)
-#define STREAM_SCALE_ROW(NV) ((NV) ? 144 : 80)
-#define STREAM_STAGE_BYTES (16 * STREAM_CODE_ROW + 16 * 144)
-
-__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-// Arrives (the barrier's one arrival) and adds `bytes` to the bytes its
-// phase waits for.
-__device__ __forceinline__ void mbar_expect_bytes(u64* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-// Waits for the phase of parity `parity` to complete.
-__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n"
-        "}\n" ::"r"(smem_u32(bar)),
-        "r"(parity)
-        : "memory");
-}
-// Global -> shared, `bytes` (a multiple of 16, both ends 16-byte aligned),
-// completing on `bar`.
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_u32(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_u32(bar))
-                 : "memory");
-}
-
-template <bool NV, int NT>
-__device__ __forceinline__ void fp4_gemv_stream(const unsigned char* __restrict__ codes,
-                                                const unsigned char* __restrict__ scales,
-                                                const float* __restrict__ row_scale, const bf16* __restrict__ x,
-                                                float* __restrict__ y, int n, int rows, int cols, float out_pow2,
-                                                int shift, int accumulate) {
-    constexpr int WARPS = 8, SCALE_ROW = STREAM_SCALE_ROW(NV), BLOCK = NV ? 16 : 32;
-    extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ __align__(8) u64 full[STREAM_STAGES];
-    __shared__ float partial[WARPS][NT][32][4];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int tiles = (rows + 15) >> 4, slabs = (cols + STREAM_COLS - 1) / STREAM_COLS;
-    const int items = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x * slabs;
-    const u64 row_bytes = (u64)cols >> 1, scale_bytes_row = (u64)cols / BLOCK;
-
-    // Warp 0 starts item i's copies into stage i % STREAM_STAGES.
-    auto issue = [&](int i) {
-        const int stage = i % STREAM_STAGES;
-        const int row0 = ((int)blockIdx.x + i / slabs * (int)gridDim.x) * 16, c0 = i % slabs * STREAM_COLS;
-        const int here = min(16, rows - row0), width = min(STREAM_COLS, cols - c0);
-        const u32 code_bytes = width / 2, scale_bytes = width / BLOCK;
-        unsigned char* st = smem + stage * STREAM_STAGE_BYTES;
-        if (lane == 0) mbar_expect_bytes(&full[stage], here * (code_bytes + scale_bytes));
-        __syncwarp();
-        if (lane < here) {
-            bulk_copy(st + lane * STREAM_CODE_ROW, codes + (row0 + lane) * row_bytes + c0 / 2, code_bytes, &full[stage]);
-        } else if (lane >= 16 && lane - 16 < here) {
-            const int r = lane - 16;
-            bulk_copy(st + 16 * STREAM_CODE_ROW + r * SCALE_ROW, scales + (row0 + r) * scale_bytes_row + c0 / BLOCK,
-                      scale_bytes, &full[stage]);
-        }
-    };
-
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < STREAM_STAGES; s++) mbar_init(&full[s], 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
-    if (warp == 0)
-        for (int i = 0; i < min(STREAM_STAGES, items); i++) issue(i);
-
-    float acc[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-    for (int i = 0; i < items; i++) {
-        const int stage = i % STREAM_STAGES, slab = i % slabs;
-        const int row0 = ((int)blockIdx.x + i / slabs * (int)gridDim.x) * 16, c0 = slab * STREAM_COLS;
-        const int chunks = min(STREAM_COLS, cols - c0) >> 7;
-        const unsigned char* st = smem + stage * STREAM_STAGE_BYTES;
-        // x first (from L1/L2): its latency overlaps the wait for the stage.
-        uint4 xv[2][NT][4];
-#pragma unroll
-        for (int u = 0; u < 2; u++) fp4_load_x<NT>(xv[u], x, n, cols, g, c0 + ((warp + 8 * u) << 7) + 32 * t);
-        mbar_wait(&full[stage], (i / STREAM_STAGES) & 1);
-#pragma unroll
-        for (int u = 0; u < 2; u++) {
-            const int c = warp + 8 * u;
-            if (c >= chunks) break;
-            const uint4 wa = *(const uint4*)(st + g * STREAM_CODE_ROW + c * 64 + 16 * t);
-            const uint4 wb = *(const uint4*)(st + (g + 8) * STREAM_CODE_ROW + c * 64 + 16 * t);
-            const unsigned char* sc = st + 16 * STREAM_CODE_ROW;
-            const u32 sa = NV ? *(const unsigned short*)(sc + g * SCALE_ROW + c * 8 + 2 * t) : sc[g * SCALE_ROW + c * 4 + t];
-            const u32 sb = NV ? *(const unsigned short*)(sc + (g + 8) * SCALE_ROW + c * 8 + 2 * t)
-                              : sc[(g + 8) * SCALE_ROW + c * 4 + t];
-            fp4_chunk<NV, NT>(acc, wa, wb, sa, sb, xv[u], shift);
-        }
-        __syncthreads();  // every warp is done with this stage: refill it
-        if (warp == 0 && i + STREAM_STAGES < items) issue(i + STREAM_STAGES);
-        if (slab == slabs - 1) {
-            fp4_block_sum<NT, WARPS>(partial, acc, y, row_scale, row0 + g, row0 + g + 8, n, rows, out_pow2, accumulate);
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-        }
-    }
-}
-
-// 256 threads; dynamic shared memory STREAM_STAGES * STREAM_STAGE_BYTES.
-extern "C" __global__ void __launch_bounds__(256) fp4_gemv_stream_mx_n8(FP4_ARGS) { fp4_gemv_stream<false, 1>(FP4_PASS); }
-extern "C" __global__ void __launch_bounds__(256) fp4_gemv_stream_mx_n16(FP4_ARGS) { fp4_gemv_stream<false, 2>(FP4_PASS); }
-extern "C" __global__ void __launch_bounds__(256) fp4_gemv_stream_nv_n8(FP4_ARGS) { fp4_gemv_stream<true, 1>(FP4_PASS); }
-extern "C" __global__ void __launch_bounds__(256) fp4_gemv_stream_nv_n16(FP4_ARGS) { fp4_gemv_stream<true, 2>(FP4_PASS); }
 
 // y[j, r] (+)= row_scale[r] * out_pow2 * sum over splits of part[s, j, r].
 extern "C" __global__ void fp4_splitk_sum(const float* __restrict__ part, int splits, const float* __restrict__ row_scale,

@@ -6,7 +6,7 @@
 
 use serde_json::{Map, Value, json};
 use sluice_backend::compute::cuda::{
-    FP4_SWEEP_TOKENS, Fp4Figure, Fp4PrefillFigure, Gpu, fp4_prefill_sweep, fp4_sweep,
+    FP4_SWEEP_TOKENS, Fp4PrefillFigure, Gpu, fp4_prefill_sweep, fp4_sweep,
 };
 use sluice_backend::model::LlamaConfig;
 
@@ -25,50 +25,29 @@ pub fn run_fp4_gpu_bench(
     let gpu = Gpu::open(0)?;
     let figures = fp4_sweep(&gpu, &config, 512 << 20)?;
     let mut summary = Map::new();
-    // Up to 16 tokens the sweep times both GEMVs; `gemv` runs the streamed
-    // one where it applies, so the tiled one's figures get their own keys.
-    let streamed = |f: &Fp4Figure| {
-        figures.iter().any(|o| {
-            o.kernel == "gemv_streamed"
-                && (o.format, o.matrix, o.tokens) == (f.format, f.matrix, f.tokens)
-        })
-    };
-    let in_use = |f: &Fp4Figure| f.kernel != "gemv_tiles" || !streamed(f);
     for f in &figures {
         let mut line = serde_json::to_value(f)?;
         line["bench"] = json!("fp4-gemv");
         emit(&line);
-        let tail = if in_use(f) { "" } else { "_tiles" };
         summary.insert(
-            format!("{}_{}_n{}{tail}", f.format, f.matrix, f.tokens),
+            format!("{}_{}_n{}", f.format, f.matrix, f.tokens),
             json!(f.gb_s),
         );
     }
-    // A decode step's four matrices per layer, bytes over time: with the
-    // kernels `gemv` picks, and with the tiled GEMV throughout.
+    // A decode step's four matrices per layer, bytes over time.
     for format in ["mxfp4", "nvfp4"] {
         for tokens in FP4_SWEEP_TOKENS {
-            for (tail, wanted) in [("", true), ("_tiles", false)] {
-                let of = || {
-                    figures.iter().filter(move |f| {
-                        f.format == format
-                            && f.tokens == tokens
-                            && if wanted {
-                                in_use(f)
-                            } else {
-                                f.kernel == "gemv_tiles"
-                            }
-                    })
-                };
-                let us: f64 = of().map(|f| f.us).sum();
-                if us > 0.0 {
-                    let bytes: f64 = of().map(|f| f.gb_s * f.us * 1e3).sum();
-                    summary.insert(
-                        format!("{format}_layer_gb_s_n{tokens}{tail}"),
-                        json!(bytes / us / 1e3),
-                    );
-                }
-            }
+            let of = || {
+                figures
+                    .iter()
+                    .filter(move |f| f.format == format && f.tokens == tokens)
+            };
+            let bytes: f64 = of().map(|f| f.gb_s * f.us * 1e3).sum();
+            let us: f64 = of().map(|f| f.us).sum();
+            summary.insert(
+                format!("{format}_layer_gb_s_n{tokens}"),
+                json!(bytes / us / 1e3),
+            );
         }
     }
     if prefill_tokens > 0 {

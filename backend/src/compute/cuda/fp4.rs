@@ -21,22 +21,6 @@ pub const FP4_COLS_MULTIPLE: usize = 32;
 /// Warps per block of the kernels (`fp4.cu`'s WARPS).
 const FP4_WARPS: u32 = 8;
 
-/// The streamed GEMV (`fp4.cu`): rows of whole 512s, blocks per SM, and its
-/// dynamic shared memory (STREAM_STAGES stages of 16 rows of padded codes,
-/// 1,088 bytes, and of scales, 144).
-const STREAM_COLS_MULTIPLE: usize = 512;
-const STREAM_BLOCKS_PER_SM: usize = 2;
-const STREAM_SMEM: u32 = 4 * (16 * 1088 + 16 * 144);
-
-/// Which GEMV kernel runs (`Fp4Weights::gemv_with`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum GemvKernel {
-    /// A block a 16-row tile, its loads in registers.
-    Tiles,
-    /// A persistent grid streaming tiles through shared memory.
-    Streamed,
-}
-
 /// Tokens a GEMM block takes (`fp4.cu`'s GEMM_TOKENS) and rows (a 16-row
 /// tile per warp).
 const GEMM_TOKENS: usize = 64;
@@ -216,8 +200,7 @@ impl Fp4Weights {
     /// `y[j, r] (+)= sum_c w[r, c] x[j, c]` for `j < n`: `x` is `n` rows of
     /// `cols` BF16 values, `y` `n` rows of `rows` f32, added to with
     /// `accumulate`. Each token's sums are taken in the same order whatever
-    /// `n` is (batch-invariant). Up to 16 tokens on rows of whole 512s, the
-    /// streamed kernel; else the tiled one (the same results, bit for bit).
+    /// `n` is (batch-invariant).
     pub fn gemv(
         &self,
         gpu: &Gpu,
@@ -226,74 +209,33 @@ impl Fp4Weights {
         n: usize,
         accumulate: bool,
     ) -> Result<(), GpuError> {
-        let kernel = if n <= FP4_GEMV_MAX_TOKENS && self.cols.is_multiple_of(STREAM_COLS_MULTIPLE) {
-            GemvKernel::Streamed
-        } else {
-            GemvKernel::Tiles
-        };
-        self.gemv_with(gpu, x, y, n, accumulate, kernel)
-    }
-
-    /// [`Fp4Weights::gemv`] through the named kernel.
-    pub(crate) fn gemv_with(
-        &self,
-        gpu: &Gpu,
-        x: DevPtr,
-        y: DevPtr,
-        n: usize,
-        accumulate: bool,
-        kernel: GemvKernel,
-    ) -> Result<(), GpuError> {
         if n == 0 {
             return Ok(());
         }
         // 8 tokens a block when that is all; else 16.
         let per_block = if n <= 8 { 8 } else { 16 };
-        let format = match self.format {
-            Fp4Format::Mxfp4 => "mx",
-            Fp4Format::Nvfp4 => "nv",
+        let name = match self.format {
+            Fp4Format::Mxfp4 => format!("fp4_gemv_mx_n{per_block}"),
+            Fp4Format::Nvfp4 => format!("fp4_gemv_nv_n{per_block}"),
         };
-        let tiles = self.rows.div_ceil(16);
-        let (name, config) = match kernel {
-            GemvKernel::Tiles => {
-                if tiles > 65_535 {
-                    return Err(GpuError::Other(format!(
-                        "an FP4 matrix of {} rows (at most {})",
-                        self.rows,
-                        65_535 * 16
-                    )));
-                }
-                (
-                    format!("fp4_gemv_{format}_n{per_block}"),
-                    grid(
-                        (n.div_ceil(per_block) as u32, tiles as u32, 1),
-                        FP4_WARPS * 32,
-                        0,
-                    ),
-                )
-            }
-            GemvKernel::Streamed => {
-                if n > FP4_GEMV_MAX_TOKENS || !self.cols.is_multiple_of(STREAM_COLS_MULTIPLE) {
-                    return Err(GpuError::Other(format!(
-                        "the streamed FP4 GEMV takes up to {FP4_GEMV_MAX_TOKENS} tokens and \
-                         rows of whole {STREAM_COLS_MULTIPLE}s, not {n} x {}",
-                        self.cols
-                    )));
-                }
-                let blocks = tiles.min(STREAM_BLOCKS_PER_SM * gpu.sm_count as usize);
-                (
-                    format!("fp4_gemv_stream_{format}_n{per_block}"),
-                    grid((blocks as u32, 1, 1), FP4_WARPS * 32, STREAM_SMEM),
-                )
-            }
-        };
+        let (token_blocks, row_blocks) = (n.div_ceil(per_block), self.rows.div_ceil(16));
+        if row_blocks > 65_535 {
+            return Err(GpuError::Other(format!(
+                "an FP4 matrix of {} rows (at most {})",
+                self.rows,
+                65_535 * 16
+            )));
+        }
         // SAFETY: the kernel reads 16-byte groups of codes within each row
-        // (cols a multiple of 32; the streamed kernel's bulk copies whole
-        // 16-byte units of rows of whole 512s), the scales of those columns,
-        // a scale per row, x's rows j < n and writes y's rows j < n.
+        // (cols a multiple of 32), the scales of those columns, a scale per
+        // row, x's rows j < n and writes y's rows j < n.
         gpu.launch(
             &name,
-            config,
+            grid(
+                (token_blocks as u32, row_blocks as u32, 1),
+                FP4_WARPS * 32,
+                0,
+            ),
             &[
                 &gpu.ptr(&self.codes, 0),
                 &gpu.ptr(&self.scales, 0),
@@ -451,7 +393,7 @@ pub struct Fp4Figure {
     pub cols: usize,
     pub format: &'static str,
     pub tokens: usize,
-    /// "gemv_streamed", "gemv_tiles" or "gemm".
+    /// "gemv" or "gemm".
     pub kernel: &'static str,
     /// One matrix, median, every copy's launch replayed from one CUDA graph
     /// (as a decode step runs).
@@ -499,29 +441,15 @@ pub fn fp4_sweep(
                     .gemm_scratch(64, gpu.sm_count, SumOrder::Fastest)
                     .max(1),
             )?;
-            // Up to 16 tokens both GEMV kernels (the streamed one where it
-            // applies), past that the GEMM.
-            let streams = all[0].cols.is_multiple_of(STREAM_COLS_MULTIPLE);
-            let runs = FP4_SWEEP_TOKENS.into_iter().flat_map(|tokens| {
-                let kernels: &[Option<GemvKernel>] = if tokens > FP4_GEMV_MAX_TOKENS {
-                    &[None]
-                } else if streams {
-                    &[Some(GemvKernel::Streamed), Some(GemvKernel::Tiles)]
-                } else {
-                    &[Some(GemvKernel::Tiles)]
-                };
-                kernels.iter().map(move |&k| (tokens, k))
-            });
-            for (tokens, kernel) in runs {
+            for tokens in FP4_SWEEP_TOKENS {
                 let launch_all = || -> Result<(), GpuError> {
                     let (xp, yp) = (gpu.ptr(&x, 0), gpu.ptr(&y, 0));
                     for w in &all {
-                        match kernel {
-                            Some(k) => w.gemv_with(gpu, xp, yp, tokens, false, k)?,
-                            None => {
-                                let part = gpu.ptr(&part, 0);
-                                w.gemm(gpu, xp, yp, part, tokens, false, SumOrder::Fastest)?;
-                            }
+                        if tokens <= FP4_GEMV_MAX_TOKENS {
+                            w.gemv(gpu, xp, yp, tokens, false)?;
+                        } else {
+                            let part = gpu.ptr(&part, 0);
+                            w.gemm(gpu, xp, yp, part, tokens, false, SumOrder::Fastest)?;
                         }
                     }
                     Ok(())
@@ -547,10 +475,10 @@ pub fn fp4_sweep(
                         Fp4Format::Nvfp4 => "nvfp4",
                     },
                     tokens,
-                    kernel: match kernel {
-                        Some(GemvKernel::Streamed) => "gemv_streamed",
-                        Some(GemvKernel::Tiles) => "gemv_tiles",
-                        None => "gemm",
+                    kernel: if tokens <= FP4_GEMV_MAX_TOKENS {
+                        "gemv"
+                    } else {
+                        "gemm"
                     },
                     us: t * 1e6,
                     gb_s: all[0].bytes() as f64 / t / 1e9,
