@@ -880,7 +880,9 @@ impl Workspace {
                 .max(self.tokens)
                 .max(GEMM_ROW_TILE)
                 .next_power_of_two();
-            let s = splits.max(self.splits);
+            // Splits grow a step at a time as sequences lengthen: room for
+            // the next power of two, so that buffers (and graphs) rarely go.
+            let s = splits.max(self.splits).next_power_of_two();
             let (h, q, kv, ffn) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
             self.x = gpu.alloc(n * h)?;
             self.xn = gpu.alloc(n * h)?;

@@ -127,9 +127,11 @@ impl StepPlan {
             p.logit_rows.extend(rows.map(|r| r as i32));
         }
         // Flash-decoding. The kernels read the split size from device memory;
-        // the count is rounded up to a power of two so that it (a CUDA
-        // graph's shape) changes rarely; splits past a sequence's end find no
-        // keys.
+        // the count is the longest sequence's (shorter ones' last splits find
+        // no keys). It used to be rounded up to a power of two, so that a
+        // graph's shape changed less often, but the empty splits cost blocks
+        // and combine reads every step (1,025 keys: 8 splits of 256 launched
+        // for 5); the workspace rounds its room up instead.
         let tiles = longest_decode.max(1).div_ceil(KEY_TILE);
         let per_split_tiles = match splits {
             // Fixed points: the same sums whatever the batch.
@@ -145,7 +147,7 @@ impl StepPlan {
             }
         };
         p.decode_keys_per_split = per_split_tiles * KEY_TILE;
-        p.decode_splits = tiles.div_ceil(per_split_tiles).next_power_of_two();
+        p.decode_splits = tiles.div_ceil(per_split_tiles);
         p
     }
 
@@ -274,9 +276,10 @@ mod tests {
             ..chunks[1]
         }];
         let p = StepPlan::new(&shorter, 16, 4, SplitPolicy::Fixed);
-        assert_eq!(p.decode_splits, 4);
+        assert_eq!(p.decode_splits, 3);
         // Filling the GPU instead: one sequence over 8 KV heads takes 16
-        // splits of one tile; 64 sequences need no split.
+        // splits of one tile (1,001 keys: 16 tiles); 64 sequences need no
+        // split.
         let fill = SplitPolicy::FillGpu {
             sm_count: 132,
             n_kv_heads: 8,
