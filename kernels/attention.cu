@@ -220,27 +220,11 @@ __device__ __forceinline__ void attention_decode_tiles(ATTN_ARGS) {
         float s[G];
 #pragma unroll
         for (int g = 0; g < G; g++) s[g] = 0.0f;
-        // The tile's V rows (raw BF16, this lane's dims of each), loaded with
-        // K before either is used: one memory latency a tile, where loading
-        // V after the softmax took two.
-        const int n_keys = min(32, k_end - k0);
-        using VWord = typename VWordOf<D>::T;
-        VWord vraw[32];
-        uint4 krow[HD / 8];
         if (valid) {
+            // The whole K row first (HD / 8 loads in flight), then the sums.
+            uint4 krow[HD / 8];
 #pragma unroll
             for (int c = 0; c < HD / 8; c++) krow[c] = ((const uint4*)(k_cache + row))[c];
-        }
-#pragma unroll
-        for (int u = 0; u < 32; u++) {
-            const u64 vrow = __shfl_sync(0xffffffffu, row, u);
-            if (u < n_keys) {
-                vraw[u] = *(const VWord*)(v_cache + vrow + lane * D);
-            } else {
-                vraw[u] = VWord{};
-            }
-        }
-        if (valid) {
 #pragma unroll
             for (int c = 0; c < HD / 8; c++) {
                 const uint4 kw = krow[c];
@@ -268,8 +252,22 @@ __device__ __forceinline__ void attention_decode_tiles(ATTN_ARGS) {
 #pragma unroll
             for (int d = 0; d < D; d++) acc[g][d] *= corr;
         }
-        // P.V: this lane adds its dims of each of the tile's V rows (loaded
-        // above), taking the key's weight by shuffle.
+        // P.V: the tile's V rows, all loaded (raw BF16, this lane's dims of
+        // each) before any is used, so one memory latency a tile instead of
+        // one per few rows; then this lane adds its dims of each row, taking
+        // the key's weight by shuffle.
+        const int n_keys = min(32, k_end - k0);
+        using VWord = typename VWordOf<D>::T;
+        VWord vraw[32];
+#pragma unroll
+        for (int u = 0; u < 32; u++) {
+            const u64 vrow = __shfl_sync(0xffffffffu, row, u);
+            if (u < n_keys) {
+                vraw[u] = *(const VWord*)(v_cache + vrow + lane * D);
+            } else {
+                vraw[u] = VWord{};
+            }
+        }
 #pragma unroll
         for (int u = 0; u < 32; u++) {
             float v[D];
