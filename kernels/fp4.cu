@@ -5,11 +5,14 @@
 // multiplied on the BF16 tensor cores (mma.sync m16n8k16), so a step reads
 // 4.25 (MX) or 4.5 (NV) bits per weight instead of 16.
 //
-// Layout (backend/src/compute/fp4.rs): codes row-major, two per byte, element
-// 2i in the low nibble of byte i; one scale byte per 32 (MX, E8M0) or 16 (NV,
-// E4M3) elements of a row; NV's fp32 tensor scale comes in row_scale (one per
-// row, so that matrices quantized apart, Q, K and V say, run as one).
-//
+// Layout: codes row-major, four bits each, in 32-bit words of 8 columns
+// whose low 16 bits hold the even columns' codes and the high 16 bits the odd
+// ones' (column 8q + 2p in bits 4p.., 8q + 2p + 1 in bits 16 + 4p..; the
+// file order, element 2i in the low nibble of byte i, backend/src/compute/fp4.rs,
+// is reordered so by Fp4Weights::stack); one scale byte per 32 (MX, E8M0) or
+// 16 (NV, E4M3) elements of a row; NV's fp32 tensor scale comes in row_scale
+// (one per row, so that matrices quantized apart, Q, K and V say, run as one).
+
 // A block of 8 warps takes 16 rows and NT * 8 tokens (blockIdx.y: rows,
 // blockIdx.x: tokens, so that the blocks sharing a weight tile run together
 // and read it from DRAM once); its warps split the columns in chunks of 128
@@ -22,10 +25,12 @@
 // g + 8 at columns 32t .. 32t + 31, and the same 32 columns of x for token g
 // of each 8-token tile. The dot product does not care in which order the
 // columns are summed, so mma step j (of 8) gives the A fragment's columns
-// {2t, 2t+1, 2t+8, 2t+9} the codes {2h, 2h+4, 2h+1, 2h+5} of 32-bit word
-// q = j / 2 (h = j % 2), and the B fragment the same columns of x: the two
-// codes of a bf16x2 pair then sit at the same place in each 16-bit half, so
-// one shift and mask places both. Partial sums meet in shared memory in a
+// {2t, 2t+1} and {2t+8, 2t+9} the column pairs 2h and 2h + 1 of word
+// q = j / 2 (h = j % 2), and the B fragment x's words 2h and 2h + 1 of the
+// same 8 columns as they are: with the codes of a column pair at the same
+// place in each 16-bit half, one shift and mask places both (and x needs no
+// reordering; with the file order it took two byte permutes an mma). Partial
+// sums meet in shared memory in a
 // fixed order (deterministic).
 
 // A pair of E2M1 codes as bf16x2 times 2^-126: the magnitude bits (e e m) go
@@ -131,8 +136,9 @@ __device__ __forceinline__ void fp4_scale_words(u32 (&s)[4], u32 sa, u32 sb, int
     }
 }
 
-// Mma step j = 2q + h's A fragment: the codes {2h, 2h+4} of word q of rows g
-// (f[0], f[2]) and g + 8 (f[1], f[3]), times their block's scale.
+// Mma step j = 2q + h's A fragment: column pairs 2h (nibbles 2h, 2h + 4) and
+// 2h + 1 of word q of rows g (f[0], f[2]) and g + 8 (f[1], f[3]), times their
+// block's scale.
 template <int H>
 __device__ __forceinline__ void fp4_frag(u32 (&f)[4], uint4 wa, uint4 wb, const u32 (&s)[4], int q) {
     const u32 qa = word(wa, q), qb = word(wb, q), s_a = s[q >> 1], s_b = s[2 + (q >> 1)];
@@ -142,11 +148,10 @@ __device__ __forceinline__ void fp4_frag(u32 (&f)[4], uint4 wa, uint4 wb, const 
     f[3] = mul_bf16x2(e2m1x2_bits<8 * H + 4>(qb), s_b);
 }
 
-// Mma step 2q + h for one 8-token tile: x's words h and h + 2 of xq (columns
-// 32t + 8q .. + 7 of the lane's token g).
+// Mma step 2q + h for one 8-token tile: x's words 2h and 2h + 1 of xq
+// (columns 32t + 8q + 4h .. + 3 of the lane's token g).
 __device__ __forceinline__ void fp4_mma(float* c, const u32 (&f)[4], uint4 xq, int h) {
-    const u32 xa = word(xq, h), xb = word(xq, h + 2);
-    mma_bf16_16816(c, f[0], f[1], f[2], f[3], __byte_perm(xa, xb, 0x5410), __byte_perm(xa, xb, 0x7632));
+    mma_bf16_16816(c, f[0], f[1], f[2], f[3], word(xq, 2 * h), word(xq, 2 * h + 1));
 }
 
 // A chunk's A fragments for all 8 steps, dequantized once for every token
@@ -476,8 +481,10 @@ extern "C" __global__ void fp4_to_bf16(const unsigned char* __restrict__ codes, 
         u32 o[16];
 #pragma unroll
         for (int i = 0; i < 16; i++) {
-            const u32 byte = (word(w, i >> 2) >> (8 * (i & 3))) & 0xffu, scale_at = i >> 3;  // 16 weights a half
-            const float lo = e2m1_value(byte & 15u) * s[scale_at], hi = e2m1_value(byte >> 4) * s[scale_at];
+            // Columns 2i, 2i + 1: pair p of word q (see Layout above).
+            const u32 q = word(w, i >> 2), p = i & 3, scale_at = i >> 3;  // 16 weights a half
+            const float lo = e2m1_value((q >> (4 * p)) & 15u) * s[scale_at];
+            const float hi = e2m1_value((q >> (16 + 4 * p)) & 15u) * s[scale_at];
             o[i] = (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
         }
         uint4* dst = (uint4*)(out + e0);

@@ -1,6 +1,7 @@
-//! FP4 weights on the GPU, the Hopper path: [`Fp4Matrix`]es uploaded as they
-//! are (codes and scale bytes, and one f32 per row for NVFP4's tensor scale,
-//! so that matrices quantized apart run fused), and the weight-only kernels
+//! FP4 weights on the GPU, the Hopper path: [`Fp4Matrix`]es uploaded (codes
+//! reordered within each 8 columns for the kernels, scale bytes as they are,
+//! and one f32 per row for NVFP4's tensor scale, so that matrices quantized
+//! apart run fused), and the weight-only kernels
 //! of `kernels/fp4.cu`, which dequantize in registers and multiply on the
 //! BF16 tensor cores: a GEMV (up to 16 tokens a block), a tiled GEMM (more),
 //! and a dequantization to BF16 for cuBLAS; with their measurements
@@ -63,6 +64,18 @@ pub enum SumOrder {
     Fastest,
 }
 
+/// Eight codes (columns 0..7, column 2i in the low nibble of byte i, the
+/// file order) in the kernels' order: the even columns' codes in the low 16
+/// bits, the odd ones' in the high (`fp4.cu`, Layout), so that a column pair
+/// dequantizes into one bf16x2 word with x's own word order.
+fn kernel_code_order(file: u32) -> u32 {
+    (0..4).fold(0, |out, p| {
+        let even = (file >> (8 * p)) & 0xf;
+        let odd = (file >> (8 * p + 4)) & 0xf;
+        out | even << (4 * p) | odd << (16 + 4 * p)
+    })
+}
+
 /// One FP4 matrix (or several stacked by rows) on the device.
 #[derive(Debug)]
 pub struct Fp4Weights {
@@ -84,7 +97,8 @@ impl Fp4Weights {
     }
 
     /// `parts` one under the other, as one matrix (Q, K and V as one QKV):
-    /// each keeps its own tensor scale.
+    /// each keeps its own tensor scale. Codes go up in the kernels' order
+    /// (`kernel_code_order`).
     pub fn stack(gpu: &Gpu, parts: &[&Fp4Matrix]) -> Result<Fp4Weights, GpuError> {
         let first = parts
             .first()
@@ -102,11 +116,13 @@ impl Fp4Weights {
             )));
         }
         let rows = parts.iter().map(|m| m.rows).sum();
-        let mut codes = Vec::with_capacity(rows * cols / 2);
+        let mut codes: Vec<u8> = Vec::with_capacity(rows * cols / 2);
         let mut scales = Vec::with_capacity(rows * cols / format.block());
         let mut row_scale = Vec::with_capacity(rows);
         for m in parts {
-            codes.extend_from_slice(&m.codes);
+            codes.extend(m.codes.chunks_exact(4).flat_map(|w| {
+                kernel_code_order(u32::from_le_bytes([w[0], w[1], w[2], w[3]])).to_le_bytes()
+            }));
             scales.extend_from_slice(&m.scales);
             row_scale.extend(std::iter::repeat_n(m.tensor_scale, m.rows));
         }
@@ -592,6 +608,15 @@ mod tests {
     /// order fills the 132 SMs (1.5 blocks a SM or more) where the columns
     /// allow; the GEMV's order
     /// gives split w exactly GEMV warp w's chunks, ascending.
+    #[test]
+    fn codes_are_reordered_even_columns_low() {
+        // File order: column c in nibble c. Kernel order: columns 0, 2, 4, 6
+        // in nibbles 0-3, 1, 3, 5, 7 in nibbles 4-7.
+        assert_eq!(kernel_code_order(0x7654_3210), 0x7531_6420);
+        assert_eq!(kernel_code_order(0x0000_00f0), 0x000f_0000);
+        assert_eq!(kernel_code_order(0xffff_ffff), 0xffff_ffff);
+    }
+
     #[test]
     fn gemm_splits_cover_every_chunk_once() {
         let shapes = [
