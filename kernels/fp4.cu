@@ -67,9 +67,9 @@ __device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
 // exact, or 0 below bf16's smallest subnormal).
 __device__ __forceinline__ u32 e8m0_bf16(u32 e, int shift) {
     if (e == 255u) return 0x7fc0u;  // NaN
-    const int k = (int)e - 1 - shift;  // 2^k, built exactly
-    const float v = k >= -126 ? __int_as_float((k + 127) << 23) : (k >= -149 ? __int_as_float(1 << (k + 149)) : 0.0f);
-    return f32_to_bf16(v);
+    const int k = (int)e - 1 - shift;  // 2^k, built exactly:
+    if (k >= -126) return (u32)(k + 127) << 7;  // normal (k < 128 by the host's shift)
+    return k >= -133 ? 1u << (k + 133) : 0u;  // subnormal, or 0 below bf16's smallest
 }
 
 // An E4M3 scale code times 2^118 as bf16 bits (exact: three mantissa bits;
@@ -81,6 +81,18 @@ __device__ __forceinline__ u32 e4m3_bf16(u32 c) {
     // subnormal m * 2^-9 -> m * 2^109.
     const float v = e == 0u ? (float)m * 6.49037107e32f : __uint_as_float(((e + 238u) << 23) | (m << 20));
     return (sign | __float_as_uint(v)) >> 16;
+}
+
+// Every E4M3 code's e4m3_bf16, in shared memory: an NVFP4 kernel's block
+// fills it first (fp4_fill_e4m3_table), and a lane's four block scales a
+// chunk are then four shared loads instead of ~30 instructions.
+__shared__ unsigned short e4m3_table[256];
+template <bool NV>
+__device__ __forceinline__ void fp4_fill_e4m3_table() {
+    if (NV) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) e4m3_table[i] = (unsigned short)e4m3_bf16(i);
+        __syncthreads();
+    }
 }
 
 __device__ __forceinline__ void mma_bf16_16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -120,13 +132,13 @@ __device__ __forceinline__ void fp4_load(const unsigned char* __restrict__ codes
 template <bool NV>
 __device__ __forceinline__ void fp4_scale_words(u32 (&s)[4], u32 sa, u32 sb, int shift) {
     if (NV) {
-        u32 v = e4m3_bf16(sa & 0xffu);
+        u32 v = e4m3_table[sa & 0xffu];
         s[0] = v | (v << 16);
-        v = e4m3_bf16(sa >> 8);
+        v = e4m3_table[sa >> 8];
         s[1] = v | (v << 16);
-        v = e4m3_bf16(sb & 0xffu);
+        v = e4m3_table[sb & 0xffu];
         s[2] = v | (v << 16);
-        v = e4m3_bf16(sb >> 8);
+        v = e4m3_table[sb >> 8];
         s[3] = v | (v << 16);
     } else {
         u32 v = e8m0_bf16(sa, shift);
@@ -195,6 +207,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                                          float* __restrict__ y, int n, int rows, int cols, float out_pow2, int shift,
                                          int accumulate) {
     __shared__ float partial[WARPS][NT][32][4];
+    fp4_fill_e4m3_table<NV>();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.y * 16, ra = row0 + g, rb = row0 + g + 8;
     const int tok0 = blockIdx.x * NT * 8;
@@ -336,6 +349,7 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
                                          float* __restrict__ y, float* __restrict__ part, int n, int rows, int cols,
                                          float out_pow2, int shift, int accumulate, int per_split, int step) {
     extern __shared__ __align__(16) unsigned char smem[];
+    fp4_fill_e4m3_table<NV>();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.y * 128, ra = row0 + warp * 16 + g, rb = ra + 8;
     const int tok0 = blockIdx.x * GEMM_TOKENS, here = min(GEMM_TOKENS, n - tok0);
