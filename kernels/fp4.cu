@@ -7,12 +7,12 @@
 //
 // Layout: codes row-major, four bits each, in 32-bit words of 8 columns
 // whose low 16 bits hold the even columns' codes and the high 16 bits the odd
-// ones' (column 8q + 2p in bits 4p.., 8q + 2p + 1 in bits 16 + 4p..; the
-// file order, element 2i in the low nibble of byte i, backend/src/compute/fp4.rs,
-// is reordered so by Fp4Weights::stack); one scale byte per 32 (MX, E8M0) or
-// 16 (NV, E4M3) elements of a row; NV's fp32 tensor scale comes in row_scale
+// ones' (column 8q + 2p in bits 4p.., 8q + 2p + 1 in bits 16 + 4p..;
+// Fp4Weights::stack reorders the file order, element 2i in the low nibble of
+// byte i, backend/src/compute/fp4.rs); one scale byte per 32 (MX, E8M0) or 16
+// (NV, E4M3) elements of a row; NV's fp32 tensor scale comes in row_scale
 // (one per row, so that matrices quantized apart, Q, K and V say, run as one).
-
+//
 // A block of 8 warps takes 16 rows and NT * 8 tokens (blockIdx.y: rows,
 // blockIdx.x: tokens, so that the blocks sharing a weight tile run together
 // and read it from DRAM once); its warps split the columns in chunks of 128
@@ -29,9 +29,8 @@
 // q = j / 2 (h = j % 2), and the B fragment x's words 2h and 2h + 1 of the
 // same 8 columns as they are: with the codes of a column pair at the same
 // place in each 16-bit half, one shift and mask places both (and x needs no
-// reordering; with the file order it took two byte permutes an mma). Partial
-// sums meet in shared memory in a
-// fixed order (deterministic).
+// reordering; with the file order it took two byte permutes an mma).
+// Partial sums meet in shared memory in a fixed order (deterministic).
 
 // A pair of E2M1 codes as bf16x2 times 2^-126: the magnitude bits (e e m) go
 // to bf16 bits 8..6 (exponent 0..3 with the top mantissa bit, subnormal at

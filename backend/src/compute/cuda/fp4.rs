@@ -604,10 +604,6 @@ mod tests {
         (0..count).map(|i| first + step * i).collect()
     }
 
-    /// Every chunk in exactly one split, whatever the shape; the fastest
-    /// order fills the 132 SMs (1.5 blocks a SM or more) where the columns
-    /// allow; the GEMV's order
-    /// gives split w exactly GEMV warp w's chunks, ascending.
     #[test]
     fn codes_are_reordered_even_columns_low() {
         // File order: column c in nibble c. Kernel order: columns 0, 2, 4, 6
@@ -617,6 +613,10 @@ mod tests {
         assert_eq!(kernel_code_order(0xffff_ffff), 0xffff_ffff);
     }
 
+    /// Every chunk in exactly one split, whatever the shape; the fastest
+    /// order fills the 132 SMs (1.5 blocks a SM or more) where the columns
+    /// allow; the GEMV's order
+    /// gives split w exactly GEMV warp w's chunks, ascending.
     #[test]
     fn gemm_splits_cover_every_chunk_once() {
         let shapes = [
