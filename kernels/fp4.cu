@@ -5,13 +5,18 @@
 // multiplied on the BF16 tensor cores (mma.sync m16n8k16), so a step reads
 // 4.25 (MX) or 4.5 (NV) bits per weight instead of 16.
 //
-// Layout: codes row-major, four bits each, in 32-bit words of 8 columns
-// whose low 16 bits hold the even columns' codes and the high 16 bits the odd
-// ones' (column 8q + 2p in bits 4p.., 8q + 2p + 1 in bits 16 + 4p..;
-// Fp4Weights::stack reorders the file order, element 2i in the low nibble of
-// byte i, backend/src/compute/fp4.rs); one scale byte per 32 (MX, E8M0) or 16
-// (NV, E4M3) elements of a row; NV's fp32 tensor scale comes in row_scale
-// (one per row, so that matrices quantized apart, Q, K and V say, run as one).
+// Layout: codes row-major, 32 bits a group of 8 columns, with each code's
+// four bits (sign s, exponent e1 e0, mantissa m0) spread so that column pair
+// p (columns 2p, 2p + 1) becomes a bf16x2 word in one or two steps
+// (fp4_pair_bits; Fp4Weights::stack rewrites the file order, element 2i in
+// the low nibble of byte i, backend/src/compute/fp4.rs, into it). A pair's
+// low column fills bits 0-15 and its high column the same bits of 16-31:
+// pairs 0, 1, 2 sit where bf16 wants them shifted right by 0, 3, 6 (m0 e0 e1
+// at bits 6-8, s at 15, less the shift), so a shift and a mask place both;
+// pair 3 takes the 4 bits left (m0 10, s 11, e0 13, e1 14). One scale byte
+// per 32 (MX, E8M0) or 16 (NV, E4M3) elements of a row; NV's fp32 tensor
+// scale comes in row_scale (one per row, so that matrices quantized apart,
+// Q, K and V say, run as one).
 //
 // A block of 8 warps takes 16 rows and NT * 8 tokens (blockIdx.y: rows,
 // blockIdx.x: tokens, so that the blocks sharing a weight tile run together
@@ -27,28 +32,19 @@
 // columns are summed, so mma step j (of 8) gives the A fragment's columns
 // {2t, 2t+1} and {2t+8, 2t+9} the column pairs 2h and 2h + 1 of word
 // q = j / 2 (h = j % 2), and the B fragment x's words 2h and 2h + 1 of the
-// same 8 columns as they are: with the codes of a column pair at the same
-// place in each 16-bit half, one shift and mask places both (and x needs no
-// reordering; with the file order it took two byte permutes an mma).
+// same 8 columns as they are (x needs no reordering). (With the file order,
+// codes (q, q + 4) made a pair: two byte permutes of x an mma and two shifts
+// and two masks a pair; now 0 and 2.75 on average.)
 // Partial sums meet in shared memory in a fixed order (deterministic).
 
-// A pair of E2M1 codes as bf16x2 times 2^-126: the magnitude bits (e e m) go
-// to bf16 bits 8..6 (exponent 0..3 with the top mantissa bit, subnormal at
-// e = 0 exactly as E2M1 is), the sign to bit 15; `p` is the low code's bit
-// position in `w` (the high code's is p + 16).
+// Column pair P of a 32-bit word of codes (Layout above) as bf16x2 times
+// 2^-126: the magnitude bits (e1 e0 m0) at bf16 bits 8..6 (exponent 0..3
+// with the top mantissa bit, subnormal at e = 0 exactly as E2M1 is), the
+// sign at bit 15; the high column the same 16 bits up.
 template <int P>
-__device__ __forceinline__ u32 e2m1x2_bits(u32 w) {
-    const u32 mag = P <= 6 ? (w << (6 - P)) : (w >> (P - 6));
-    const u32 sign = P <= 12 ? (w << (12 - P)) : (w >> (P - 12));
-    return (mag & 0x01c001c0u) | (sign & 0x80008000u);
-}
-
-// An E2M1 code's value (exponent e = bits 2-1, mantissa m = bit 0: m / 2
-// at e = 0, else (1 + m / 2) 2^(e - 1)), built without a table.
-__device__ __forceinline__ float e2m1_value(u32 code) {
-    const u32 e = (code >> 1) & 3u, m = code & 1u;
-    const float v = e == 0u ? 0.5f * (float)m : __uint_as_float(((e + 126u) << 23) | (m << 22));
-    return code & 8u ? -v : v;
+__device__ __forceinline__ u32 fp4_pair_bits(u32 w) {
+    if (P < 3) return (w << (3 * P)) & 0x81c081c0u;
+    return ((w >> 6) & 0x01800180u) | ((w >> 4) & 0x00400040u) | ((w << 4) & 0x80008000u);
 }
 
 __device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
@@ -147,16 +143,15 @@ __device__ __forceinline__ void fp4_scale_words(u32 (&s)[4], u32 sa, u32 sb, int
     }
 }
 
-// Mma step j = 2q + h's A fragment: column pairs 2h (nibbles 2h, 2h + 4) and
-// 2h + 1 of word q of rows g (f[0], f[2]) and g + 8 (f[1], f[3]), times their
-// block's scale.
+// Mma step j = 2q + h's A fragment: column pairs 2h and 2h + 1 of word q of
+// rows g (f[0], f[2]) and g + 8 (f[1], f[3]), times their block's scale.
 template <int H>
 __device__ __forceinline__ void fp4_frag(u32 (&f)[4], uint4 wa, uint4 wb, const u32 (&s)[4], int q) {
     const u32 qa = word(wa, q), qb = word(wb, q), s_a = s[q >> 1], s_b = s[2 + (q >> 1)];
-    f[0] = mul_bf16x2(e2m1x2_bits<8 * H>(qa), s_a);
-    f[1] = mul_bf16x2(e2m1x2_bits<8 * H>(qb), s_b);
-    f[2] = mul_bf16x2(e2m1x2_bits<8 * H + 4>(qa), s_a);
-    f[3] = mul_bf16x2(e2m1x2_bits<8 * H + 4>(qb), s_b);
+    f[0] = mul_bf16x2(fp4_pair_bits<2 * H>(qa), s_a);
+    f[1] = mul_bf16x2(fp4_pair_bits<2 * H>(qb), s_b);
+    f[2] = mul_bf16x2(fp4_pair_bits<2 * H + 1>(qa), s_a);
+    f[3] = mul_bf16x2(fp4_pair_bits<2 * H + 1>(qb), s_b);
 }
 
 // Mma step 2q + h for one 8-token tile: x's words 2h and 2h + 1 of xq
@@ -494,10 +489,15 @@ extern "C" __global__ void fp4_to_bf16(const unsigned char* __restrict__ codes, 
         u32 o[16];
 #pragma unroll
         for (int i = 0; i < 16; i++) {
-            // Columns 2i, 2i + 1: pair p of word q (see Layout above).
-            const u32 q = word(w, i >> 2), p = i & 3, scale_at = i >> 3;  // 16 weights a half
-            const float lo = e2m1_value((q >> (4 * p)) & 15u) * s[scale_at];
-            const float hi = e2m1_value((q >> (16 + 4 * p)) & 15u) * s[scale_at];
+            // Columns 2i, 2i + 1: pair i % 4 of word i / 4, the E2M1 values
+            // times 2^-126 (exact), times 2^126 (exact) and the scale.
+            const u32 q = word(w, i >> 2), scale_at = i >> 3;  // 16 weights a half
+            const u32 bits = (i & 3) == 0   ? fp4_pair_bits<0>(q)
+                             : (i & 3) == 1 ? fp4_pair_bits<1>(q)
+                             : (i & 3) == 2 ? fp4_pair_bits<2>(q)
+                                            : fp4_pair_bits<3>(q);
+            const float lo = bf16_lo(bits) * 8.507059173023462e37f * s[scale_at];  // 2^126
+            const float hi = bf16_hi(bits) * 8.507059173023462e37f * s[scale_at];
             o[i] = (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
         }
         uint4* dst = (uint4*)(out + e0);

@@ -64,15 +64,25 @@ pub enum SumOrder {
     Fastest,
 }
 
-/// Eight codes (columns 0..7, column 2i in the low nibble of byte i, the
-/// file order) in the kernels' order: the even columns' codes in the low 16
-/// bits, the odd ones' in the high (`fp4.cu`, Layout), so that a column pair
-/// dequantizes into one bf16x2 word with x's own word order.
+/// Where each bit of a code lands in the kernels' 32-bit word (`fp4.cu`,
+/// Layout): for column pair p (columns 2p, 2p + 1), the bit positions of the
+/// low column's m0, e0, e1 and sign; the high column's are 16 up. Pairs 0-2
+/// sit where a bf16 wants them (6, 7, 8, 15) less a shift of 3p; pair 3 in
+/// the bits left over.
+const PAIR_BITS: [[u32; 4]; 4] = [[6, 7, 8, 15], [3, 4, 5, 12], [0, 1, 2, 9], [10, 13, 14, 11]];
+
+/// Eight codes (columns 0..7, column c in bits 4c..4c+3, the file order:
+/// element 2i in the low nibble of byte i) in the kernels' order.
 fn kernel_code_order(file: u32) -> u32 {
-    (0..4).fold(0, |out, p| {
-        let even = (file >> (8 * p)) & 0xf;
-        let odd = (file >> (8 * p + 4)) & 0xf;
-        out | even << (4 * p) | odd << (16 + 4 * p)
+    (0..8).fold(0, |out, c| {
+        let code = (file >> (4 * c)) & 0xf;
+        let (pair, up) = (c as usize / 2, 16 * (c % 2));
+        PAIR_BITS[pair]
+            .iter()
+            .enumerate()
+            .fold(out, |out, (bit, &at)| {
+                out | ((code >> bit) & 1) << (at + up)
+            })
     })
 }
 
@@ -604,13 +614,39 @@ mod tests {
         (0..count).map(|i| first + step * i).collect()
     }
 
+    /// `fp4_pair_bits` of `fp4.cu`, transcribed: column pair p of a word in
+    /// the kernels' order as bf16x2 bits (times 2^-126).
+    fn pair_bits(w: u32, p: usize) -> u32 {
+        if p < 3 {
+            (w << (3 * p)) & 0x81c0_81c0
+        } else {
+            ((w >> 6) & 0x0180_0180) | ((w >> 4) & 0x0040_0040) | ((w << 4) & 0x8000_8000)
+        }
+    }
+
     #[test]
-    fn codes_are_reordered_even_columns_low() {
-        // File order: column c in nibble c. Kernel order: columns 0, 2, 4, 6
-        // in nibbles 0-3, 1, 3, 5, 7 in nibbles 4-7.
-        assert_eq!(kernel_code_order(0x7654_3210), 0x7531_6420);
-        assert_eq!(kernel_code_order(0x0000_00f0), 0x000f_0000);
+    fn codes_are_reordered_so_each_pair_decodes_in_place() {
+        // Every bit of the word is used once.
         assert_eq!(kernel_code_order(0xffff_ffff), 0xffff_ffff);
+        assert_eq!(kernel_code_order(0), 0);
+        // Column 0 all ones: bf16 bits 6-8 and 15; column 7: pair 3's, up 16.
+        assert_eq!(kernel_code_order(0xf), 0x81c0);
+        assert_eq!(kernel_code_order(0xf000_0000), 0x6c00 << 16);
+        // Each pair decodes to its two columns' bf16 bits (magnitude at 8..6,
+        // sign at 15), whatever the codes.
+        let mut file = 0x9e37_79b9u32;
+        for _ in 0..1000 {
+            file = file.wrapping_mul(0x2c1b_3c6d).wrapping_add(0x297a_2d39);
+            let w = kernel_code_order(file);
+            for p in 0..4 {
+                let bf16 = |c: u32| {
+                    let code = (file >> (4 * c)) & 0xf;
+                    (code & 7) << 6 | (code >> 3) << 15
+                };
+                let want = bf16(2 * p as u32) | bf16(2 * p as u32 + 1) << 16;
+                assert_eq!(pair_bits(w, p), want, "{file:#010x} pair {p}");
+            }
+        }
     }
 
     /// Every chunk in exactly one split, whatever the shape; the fastest
