@@ -33,8 +33,9 @@
 // {2t, 2t+1} and {2t+8, 2t+9} the column pairs 2h and 2h + 1 of word
 // q = j / 2 (h = j % 2), and the B fragment x's words 2h and 2h + 1 of the
 // same 8 columns as they are (x needs no reordering). (With the file order,
-// codes (q, q + 4) made a pair: two byte permutes of x an mma and two shifts
-// and two masks a pair; now 0 and 2.75 on average.)
+// codes (q, q + 4) made a pair: x took two byte permutes an mma, and each
+// pair two shifts and two masks; now x none, and a pair 1.25 shifts and 1.5
+// masks on average.)
 // Partial sums meet in shared memory in a fixed order (deterministic).
 
 // Column pair P of a 32-bit word of codes (Layout above) as bf16x2 times
