@@ -8,7 +8,9 @@ use crate::model::LlamaConfig;
 
 /// RMSNorm's block size and float4s per thread (`RMS_THREADS`, `RMS_VEC`).
 const RMS_THREADS: u32 = 1024;
-const RMS_MAX_HIDDEN: usize = RMS_THREADS as usize * 4 * 4;
+const RMS_VEC: usize = 4;
+/// The widest row RMSNorm holds: a float4 of it per thread and RMS_VEC.
+const RMS_MAX_HIDDEN: usize = RMS_THREADS as usize * RMS_VEC * 4;
 /// Heads a RoPE block takes (`ROPE_HEADS`).
 const ROPE_HEADS: usize = 4;
 
