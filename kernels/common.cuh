@@ -49,6 +49,19 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return v;
 }
 
+// Largest over the block, as block_sum.
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    const int warps = blockDim.x >> 5;
+    v = lane < warps ? scratch[lane] : NEG_INF;
+    v = warp_max(v);
+    __syncthreads();
+    return v;
+}
+
 // splitmix64: the synthetic weights' generator (the host has the same, in
 // compute::cuda::synthetic, to check against).
 __device__ __forceinline__ u64 splitmix64(u64 x) {
@@ -56,4 +69,49 @@ __device__ __forceinline__ u64 splitmix64(u64 x) {
     x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
     x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
     return x ^ (x >> 31);
+}
+
+// The per-token steps that kernels of two files do (layers.cu on their own,
+// gemv.cu fused after the decode GEMV), written once.
+
+// x / rms(x) * w as RMSNorm rounds it to BF16, given scale = 1 / rms.
+__device__ __forceinline__ u32 rms_scaled_bf16x2(float a, float b, float scale, float wa, float wb) {
+    return (u32)f32_to_bf16(a * scale * wa) | ((u32)f32_to_bf16(b * scale * wb) << 16);
+}
+
+// silu(g) * u, SwiGLU's gate times its up projection.
+__device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+// Where one token's Q, K and V go after the QKV projection.
+struct RopeKvOut {
+    const int* positions;
+    const int* slots;
+    bf16* q_out;
+    bf16* k_cache;
+    bf16* v_cache;
+    int n_heads, n_kv_heads, head_dim;
+    float theta;
+};
+
+// One adjacent pair (at, at + 1) of token t's QKV row ([q | k | v], at even),
+// values (a, b): a Q or K pair rotated by RoPE (pos * theta^(-2i / head_dim),
+// i its pair in the head) and written as BF16 to q_out or the cache slot of
+// the token; a V pair written as is.
+__device__ __forceinline__ void rope_kv_pair(const RopeKvOut& o, int t, int at, float a, float b) {
+    const int q_dim = o.n_heads * o.head_dim, kv_dim = o.n_kv_heads * o.head_dim;
+    const u64 slot = (u64)o.slots[t];
+    if (at >= q_dim + kv_dim) {
+        *(u32*)(o.v_cache + slot * kv_dim + at - q_dim - kv_dim) = (u32)f32_to_bf16(a) | ((u32)f32_to_bf16(b) << 16);
+        return;
+    }
+    const int i = (at % o.head_dim) / 2;
+    const float freq = powf(o.theta, -2.0f * (float)i / (float)o.head_dim);
+    float s, c;
+    sincosf((float)o.positions[t] * freq, &s, &c);
+    const u32 rotated = (u32)f32_to_bf16(a * c - b * s) | ((u32)f32_to_bf16(a * s + b * c) << 16);
+    if (at < q_dim) {
+        *(u32*)(o.q_out + (u64)t * q_dim + at) = rotated;
+    } else {
+        *(u32*)(o.k_cache + slot * kv_dim + at - q_dim) = rotated;
+    }
 }

@@ -43,9 +43,8 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rms_norm(const float* 
     for (int k = 0; k < RMS_VEC; k++) {
         const int i = threadIdx.x + k * RMS_THREADS;
         if (i < quads) {
-            const u32 lo = (u32)f32_to_bf16(v[k].x * scale * wv[k].x) | ((u32)f32_to_bf16(v[k].y * scale * wv[k].y) << 16);
-            const u32 hi = (u32)f32_to_bf16(v[k].z * scale * wv[k].z) | ((u32)f32_to_bf16(v[k].w * scale * wv[k].w) << 16);
-            o[i] = make_uint2(lo, hi);
+            o[i] = make_uint2(rms_scaled_bf16x2(v[k].x, v[k].y, scale, wv[k].x, wv[k].y),
+                              rms_scaled_bf16x2(v[k].z, v[k].w, scale, wv[k].z, wv[k].w));
         }
     }
 }
@@ -63,26 +62,18 @@ extern "C" __global__ void rope_store_kv(const float* __restrict__ qkv, const in
                                          const int* __restrict__ slots, bf16* __restrict__ q_out,
                                          bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
                                          int n_heads, int n_kv_heads, int head_dim, float theta) {
+    const RopeKvOut o{positions, slots, q_out, k_cache, v_cache, n_heads, n_kv_heads, head_dim, theta};
     const int half = head_dim / 2;
     const int t = blockIdx.x, head = blockIdx.y * ROPE_HEADS + threadIdx.x / half, i = threadIdx.x % half;
     if (head >= n_heads + n_kv_heads) return;
     const int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim;
     const float* row = qkv + (u64)t * (q_dim + 2 * kv_dim);
-    const float pos = (float)positions[t];
-    const u64 slot = (u64)slots[t];
-    const float freq = powf(theta, -2.0f * (float)i / (float)head_dim);
-    float s, c;
-    sincosf(pos * freq, &s, &c);
     const int at = head * head_dim + 2 * i;
     const float2 ab = *(const float2*)(row + at);
-    const u32 rotated = (u32)f32_to_bf16(ab.x * c - ab.y * s) | ((u32)f32_to_bf16(ab.x * s + ab.y * c) << 16);
-    if (head < n_heads) {
-        *(u32*)(q_out + (u64)t * q_dim + at) = rotated;
-    } else {
-        const int kv_at = at - q_dim;
-        *(u32*)(k_cache + slot * kv_dim + kv_at) = rotated;
-        const float2 v = *(const float2*)(row + q_dim + kv_dim + kv_at);
-        *(u32*)(v_cache + slot * kv_dim + kv_at) = (u32)f32_to_bf16(v.x) | ((u32)f32_to_bf16(v.y) << 16);
+    rope_kv_pair(o, t, at, ab.x, ab.y);
+    if (head >= n_heads) {
+        const float2 v = *(const float2*)(row + at + kv_dim);
+        rope_kv_pair(o, t, at + kv_dim, v.x, v.y);
     }
 }
 
@@ -91,7 +82,7 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gate_up, bf16* __r
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n * ffn; i += (u64)gridDim.x * blockDim.x) {
         const u64 t = i / ffn, j = i % ffn;
         const float g = gate_up[t * 2 * ffn + j], u = gate_up[t * 2 * ffn + ffn + j];
-        out[i] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
+        out[i] = f32_to_bf16(silu_times(g, u));
     }
 }
 

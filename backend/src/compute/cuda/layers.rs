@@ -1,7 +1,8 @@
 //! Launches of the per-token kernels around the GEMMs (`kernels/layers.cu`):
 //! RMSNorm, RoPE with the KV cache write, SwiGLU and greedy sampling, each
-//! with the grid its kernel is written for. The model and the kernel tests
-//! both launch through here.
+//! with the grid its kernel is written for; and the one-token GEMVs that fuse
+//! them with a layer's input projections (`kernels/gemv.cu`). The model and
+//! the kernel tests both launch through here.
 
 use super::device::{DevPtr, Gpu, GpuError, elementwise, grid};
 use crate::model::LlamaConfig;
@@ -95,6 +96,77 @@ pub fn rope_store_kv(
         ],
     )
 }
+
+/// Whether the fused one-token GEMVs take this shape: whole 16-byte groups
+/// of the hidden row (as the GEMV reads them).
+pub fn fuses(c: &LlamaConfig) -> bool {
+    c.hidden.is_multiple_of(8)
+}
+
+/// One token's QKV projection at batch 1 with what follows it, in one
+/// launch: `w` (BF16, q_dim + 2 kv_dim rows of `hidden`) times `x` (the
+/// normalized row, BF16), RoPE, Q to `q_out` and K and V into this layer's
+/// cache at `slots[0]` (position `positions[0]`): the values the GEMV and
+/// `rope_store_kv` give.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_rope(
+    gpu: &Gpu,
+    c: &LlamaConfig,
+    w: DevPtr,
+    x: DevPtr,
+    positions: DevPtr,
+    slots: DevPtr,
+    q_out: DevPtr,
+    k_cache: DevPtr,
+    v_cache: DevPtr,
+) -> Result<(), GpuError> {
+    let rows = c.q_dim() + 2 * c.kv_dim();
+    // SAFETY (kernel): w holds rows x hidden BF16, x `hidden` (a multiple
+    // of 8: `fuses`), positions and slots one entry, q_out q_dim; the slot
+    // is in the cache. A block a row pair.
+    gpu.launch(
+        "gemv_rope_n1",
+        grid(((rows / 2) as u32, 1, 1), GEMV_THREADS, 0),
+        &[
+            &w,
+            &x,
+            &(rows as i32),
+            &(c.hidden as i32),
+            &positions,
+            &slots,
+            &q_out,
+            &k_cache,
+            &v_cache,
+            &(c.n_heads as i32),
+            &(c.n_kv_heads as i32),
+            &(c.head_dim as i32),
+            &c.rope_theta,
+        ],
+    )
+}
+
+/// One token's gate and up projections at batch 1 with SwiGLU, in one
+/// launch: the stacked [gate | up] weights `w` (2 ffn rows of `hidden`)
+/// times `x` (BF16), `act = bf16(silu(gate) * up)`: the values the GEMV and
+/// `silu_mul` give.
+pub fn gemv_swiglu(
+    gpu: &Gpu,
+    c: &LlamaConfig,
+    w: DevPtr,
+    x: DevPtr,
+    act: DevPtr,
+) -> Result<(), GpuError> {
+    // SAFETY (kernel): w holds 2 ffn x hidden BF16, x `hidden` (a multiple
+    // of 8: `fuses`), act ffn BF16. A block a gate row and its up row.
+    gpu.launch(
+        "gemv_swiglu_n1",
+        grid((c.ffn as u32, 1, 1), GEMV_THREADS, 0),
+        &[&w, &x, &(c.ffn as i32), &(c.hidden as i32), &act],
+    )
+}
+
+/// The fused GEMVs' block (`GEMV_THREADS` in gemv.cu).
+const GEMV_THREADS: u32 = 128;
 
 /// `act = bf16(silu(gate) * up)` for `n` rows of `[gate | up]` (f32, 2 ffn).
 pub fn silu_mul(

@@ -286,6 +286,75 @@ fn rope_and_the_cache_write_match_the_cpu() {
     }
 }
 
+/// The one-token fused GEMVs (QKV with RoPE and the KV write; gate/up with
+/// SwiGLU) give the bits of the separate kernels they stand for, which the
+/// tests above hold to the CPU.
+#[test]
+fn fused_one_token_gemvs_equal_the_separate_kernels() {
+    let Some(gpu) = gpu() else { return };
+    // 384: less than one 1,024-column step a block; 5,000: two rounds of
+    // loads, the last part-filled.
+    for hidden in [384, 5000] {
+        let c = LlamaConfig {
+            hidden,
+            ffn: 300,
+            ..tiny_config(64, 6, 2)
+        };
+        let (q_dim, kv_dim, ffn) = (c.q_dim(), c.kv_dim(), c.ffn);
+        let qkv_rows = q_dim + 2 * kv_dim;
+        let block_size = 16;
+        let (pos, slot) = (37i32, 5 * block_size as i32 + 37 % block_size as i32);
+        let x = gpu.upload(&to_bf16(&values(hidden, 41))).unwrap();
+        let w_qkv = gpu
+            .upload(&to_bf16(&values(qkv_rows * hidden, 43)))
+            .unwrap();
+        let w_gate_up = gpu.upload(&to_bf16(&values(2 * ffn * hidden, 44))).unwrap();
+        let (dpos, dslot) = (gpu.upload(&[pos]).unwrap(), gpu.upload(&[slot]).unwrap());
+        let (x_p, qkv_w, gate_up_w) = (gpu.ptr(&x, 0), gpu.ptr(&w_qkv, 0), gpu.ptr(&w_gate_up, 0));
+        let (pos_p, slot_p) = (gpu.ptr(&dpos, 0), gpu.ptr(&dslot, 0));
+
+        // Separate kernels.
+        let qkv = gpu.alloc::<f32>(qkv_rows).unwrap();
+        let qkv_p = gpu.ptr(&qkv, 0);
+        gpu.gemv_bf16(qkv_w, x_p, qkv_p, 1, qkv_rows, hidden, false)
+            .unwrap();
+        let kv_a = CudaKvCache::new(&gpu, &c, 8, block_size).unwrap();
+        let (k_a, v_a) = kv_a.layer(&gpu, 0);
+        let q_a = gpu.alloc::<u16>(q_dim).unwrap();
+        let q_a_p = gpu.ptr(&q_a, 0);
+        layers::rope_store_kv(&gpu, &c, qkv_p, pos_p, slot_p, q_a_p, k_a, v_a, 1).unwrap();
+        let gate_up = gpu.alloc::<f32>(2 * ffn).unwrap();
+        let gate_up_p = gpu.ptr(&gate_up, 0);
+        gpu.gemv_bf16(gate_up_w, x_p, gate_up_p, 1, 2 * ffn, hidden, false)
+            .unwrap();
+        let act_a = gpu.alloc::<u16>(ffn).unwrap();
+        layers::silu_mul(&gpu, gate_up_p, gpu.ptr(&act_a, 0), 1, ffn).unwrap();
+
+        // Fused.
+        let kv_b = CudaKvCache::new(&gpu, &c, 8, block_size).unwrap();
+        let (k_b, v_b) = kv_b.layer(&gpu, 0);
+        let q_b = gpu.alloc::<u16>(q_dim).unwrap();
+        let q_b_p = gpu.ptr(&q_b, 0);
+        layers::gemv_rope(&gpu, &c, qkv_w, x_p, pos_p, slot_p, q_b_p, k_b, v_b).unwrap();
+        let act_b = gpu.alloc::<u16>(ffn).unwrap();
+        layers::gemv_swiglu(&gpu, &c, gate_up_w, x_p, gpu.ptr(&act_b, 0)).unwrap();
+
+        let q = |s| gpu.download(s, q_dim).unwrap();
+        assert_eq!(q(&q_b), q(&q_a), "hidden {hidden}: q");
+        let (a, b) = (
+            kv_a.read_layer(&gpu, 0).unwrap(),
+            kv_b.read_layer(&gpu, 0).unwrap(),
+        );
+        assert_eq!(b, a, "hidden {hidden}: the caches");
+        let at = slot as usize * kv_dim..(slot as usize + 1) * kv_dim;
+        assert!(a.0[at.clone()].iter().all(|v| *v != 0.0), "K was written");
+        assert!(a.1[at].iter().all(|v| *v != 0.0), "V was written");
+        let act = |s| gpu.download(s, ffn).unwrap();
+        assert_eq!(act(&act_b), act(&act_a), "hidden {hidden}: act");
+        assert!(act(&act_a).iter().any(|&v| v != 0), "act was written");
+    }
+}
+
 /// Causal attention of one query row over keys 0..=pos of a paged cache (f32).
 fn reference_attention(
     c: &LlamaConfig,
@@ -336,9 +405,12 @@ fn paged_attention_matches_the_cpu_for_decode_and_prefill() {
         // Tables: sequence 0 uses blocks in reverse, sequence 1 every other one.
         let t0: Vec<u32> = (0..80).rev().collect();
         let t1: Vec<u32> = (0..80).map(|i| 80 + (i * 7) % 80).collect();
+        // A sequence longer than the cache, its table reusing blocks: 17,001
+        // keys are 67 splits, more than the combine takes at once at hd64.
+        let t_long: Vec<u32> = (0..1064).map(|i| (i * 13) % 160).collect();
         // A 70-token prefill chunk at 100 (several items, a partial tile), a
-        // decode at 1200 (split across blocks), a decode at 3 and a 1-token
-        // chunk asking for all logits.
+        // decode at 1200 (split across blocks), a decode at 3 (one split with
+        // keys, the rest empty) and a decode at 17,000.
         let prefill_tokens = vec![0u32; 70];
         let chunks = [
             SeqChunk {
@@ -359,6 +431,12 @@ fn paged_attention_matches_the_cpu_for_decode_and_prefill() {
                 block_table: &t0,
                 logits: Logits::Last,
             },
+            SeqChunk {
+                tokens: &[0],
+                start: 17_000,
+                block_table: &t_long,
+                logits: Logits::Last,
+            },
         ];
         let plan = StepPlan::new(
             &chunks,
@@ -366,7 +444,10 @@ fn paged_attention_matches_the_cpu_for_decode_and_prefill() {
             n_heads / n_kv_heads,
             SplitPolicy::Fixed,
         );
-        assert!(plan.decode_splits > 1, "the decode at 1200 should be split");
+        assert_eq!(
+            plan.decode_splits, 67,
+            "the decode at 17,000 in 256-key splits"
+        );
         let n = plan.tokens.len();
         let q_host = from_bf16(&to_bf16(&values(n * c.q_dim(), 13)));
         let dq = gpu.upload(&to_bf16(&q_host)).unwrap();
@@ -395,7 +476,8 @@ fn paged_attention_matches_the_cpu_for_decode_and_prefill() {
             let table: &[u32] = match t {
                 0..70 => &t0,
                 70 => &t1,
-                _ => &t0,
+                71 => &t0,
+                _ => &t_long,
             };
             let q_row = &q_host[t * c.q_dim()..(t + 1) * c.q_dim()];
             let want = reference_attention(&c, q_row, &k_host, &v_host, table, block_size, pos);
