@@ -35,32 +35,24 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread
-// gets the result. `scratch` holds 32 floats of shared memory.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+// Reduces over the block (blockDim.x a multiple of 32, at most 1024) with
+// the warp reduction `warp_op` and the identity `none`; every thread gets the
+// result. `scratch` holds 32 floats of shared memory.
+template <float (*warp_op)(float)>
+__device__ __forceinline__ float block_reduce(float v, float none, float* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
+    v = warp_op(v);
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
     const int warps = blockDim.x >> 5;
-    v = lane < warps ? scratch[lane] : 0.0f;
-    v = warp_sum(v);
+    v = lane < warps ? scratch[lane] : none;
+    v = warp_op(v);
     __syncthreads();
     return v;
 }
 
-// Largest over the block, as block_sum.
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_max(v);
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    const int warps = blockDim.x >> 5;
-    v = lane < warps ? scratch[lane] : NEG_INF;
-    v = warp_max(v);
-    __syncthreads();
-    return v;
-}
+__device__ __forceinline__ float block_sum(float v, float* scratch) { return block_reduce<warp_sum>(v, 0.0f, scratch); }
+__device__ __forceinline__ float block_max(float v, float* scratch) { return block_reduce<warp_max>(v, NEG_INF, scratch); }
 
 // splitmix64: the synthetic weights' generator (the host has the same, in
 // compute::cuda::synthetic, to check against).

@@ -4,7 +4,7 @@
 //! them with a layer's input projections (`kernels/gemv.cu`). The model and
 //! the kernel tests both launch through here.
 
-use super::device::{DevPtr, Gpu, GpuError, elementwise, grid};
+use super::device::{DevPtr, Gpu, GpuError, KernelArg, elementwise, grid};
 use crate::model::LlamaConfig;
 
 /// RMSNorm's block size and float4s per thread (`RMS_THREADS`, `RMS_VEC`).
@@ -71,6 +71,9 @@ pub fn rope_store_kv(
 ) -> Result<(), GpuError> {
     // SAFETY (kernel): qkv holds n rows of q_dim + 2 kv_dim, positions and
     // slots n entries, q_out n rows of q_dim; every slot is in the cache.
+    let out = RopeKvOut::new(c, positions, slots, q_out, k_cache, v_cache);
+    let mut args: Vec<&dyn KernelArg> = vec![&qkv];
+    args.extend(out.args());
     gpu.launch(
         "rope_store_kv",
         grid(
@@ -82,19 +85,59 @@ pub fn rope_store_kv(
             (ROPE_HEADS * c.head_dim / 2) as u32,
             0,
         ),
-        &[
-            &qkv,
-            &positions,
-            &slots,
-            &q_out,
-            &k_cache,
-            &v_cache,
-            &(c.n_heads as i32),
-            &(c.n_kv_heads as i32),
-            &(c.head_dim as i32),
-            &c.rope_theta,
-        ],
+        &args,
     )
+}
+
+/// Where RoPE's outputs go and its shape: the trailing parameters of
+/// `rope_store_kv` and `gemv_rope_n1` (`RopeKvOut` in common.cuh).
+struct RopeKvOut {
+    positions: DevPtr,
+    slots: DevPtr,
+    q_out: DevPtr,
+    k_cache: DevPtr,
+    v_cache: DevPtr,
+    n_heads: i32,
+    n_kv_heads: i32,
+    head_dim: i32,
+    theta: f32,
+}
+
+impl RopeKvOut {
+    fn new(
+        c: &LlamaConfig,
+        positions: DevPtr,
+        slots: DevPtr,
+        q_out: DevPtr,
+        k_cache: DevPtr,
+        v_cache: DevPtr,
+    ) -> RopeKvOut {
+        RopeKvOut {
+            positions,
+            slots,
+            q_out,
+            k_cache,
+            v_cache,
+            n_heads: c.n_heads as i32,
+            n_kv_heads: c.n_kv_heads as i32,
+            head_dim: c.head_dim as i32,
+            theta: c.rope_theta,
+        }
+    }
+
+    fn args(&self) -> [&dyn KernelArg; 9] {
+        [
+            &self.positions,
+            &self.slots,
+            &self.q_out,
+            &self.k_cache,
+            &self.v_cache,
+            &self.n_heads,
+            &self.n_kv_heads,
+            &self.head_dim,
+            &self.theta,
+        ]
+    }
 }
 
 /// Whether the fused one-token GEMVs take this shape: whole 16-byte groups
@@ -124,24 +167,14 @@ pub fn gemv_rope(
     // SAFETY (kernel): w holds rows x hidden BF16, x `hidden` (a multiple
     // of 8: `fuses`), positions and slots one entry, q_out q_dim; the slot
     // is in the cache. A block a row pair.
+    let out = RopeKvOut::new(c, positions, slots, q_out, k_cache, v_cache);
+    let (rows32, hidden) = (rows as i32, c.hidden as i32);
+    let mut args: Vec<&dyn KernelArg> = vec![&w, &x, &rows32, &hidden];
+    args.extend(out.args());
     gpu.launch(
         "gemv_rope_n1",
         grid(((rows / 2) as u32, 1, 1), GEMV_THREADS, 0),
-        &[
-            &w,
-            &x,
-            &(rows as i32),
-            &(c.hidden as i32),
-            &positions,
-            &slots,
-            &q_out,
-            &k_cache,
-            &v_cache,
-            &(c.n_heads as i32),
-            &(c.n_kv_heads as i32),
-            &(c.head_dim as i32),
-            &c.rope_theta,
-        ],
+        &args,
     )
 }
 
