@@ -11,7 +11,8 @@
 // launches, not nine. (Taking the RMSNorm in front too, each block
 // normalizing x for itself, was tried: every block's extra pass over the
 // residual and the norm's weights, 14,336 blocks for gate_up, tripled what
-// an SM read, and a step went from 4.55 to 6.16 ms.)
+// an SM read; a batch-1 step went from 4.55 to 6.16 ms, about 1.1 ms of it
+// this, BENCHMARKS.md.)
 
 __device__ __forceinline__ float dot8(uint4 w, const float* x) {
     return bf16_lo(w.x) * x[0] + bf16_hi(w.x) * x[1] + bf16_lo(w.y) * x[2] + bf16_hi(w.y) * x[3] +
