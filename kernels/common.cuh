@@ -66,11 +66,6 @@ __device__ __forceinline__ u64 splitmix64(u64 x) {
 // The per-token steps that kernels of two files do (layers.cu on their own,
 // gemv.cu fused after the decode GEMV), written once.
 
-// x / rms(x) * w as RMSNorm rounds it to BF16, given scale = 1 / rms.
-__device__ __forceinline__ u32 rms_scaled_bf16x2(float a, float b, float scale, float wa, float wb) {
-    return (u32)f32_to_bf16(a * scale * wa) | ((u32)f32_to_bf16(b * scale * wb) << 16);
-}
-
 // silu(g) * u, SwiGLU's gate times its up projection.
 __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 

@@ -39,8 +39,8 @@ __device__ __forceinline__ void gemv_block_sums(const bf16* __restrict__ w, cons
     for (int r = 0; r < ROWS; r++)
 #pragma unroll
         for (int j = 0; j < N; j++) acc[r][j] = 0.0f;
-    uint4 wv[UNROLL][ROWS];
-    auto load_weights = [&](int c0) {
+    for (int c0 = threadIdx.x * 8; c0 < cols; c0 += GEMV_STEP * UNROLL) {
+        uint4 wv[UNROLL][ROWS];
 #pragma unroll
         for (int u = 0; u < UNROLL; u++) {
             const int c = c0 + u * GEMV_STEP;
@@ -51,9 +51,6 @@ __device__ __forceinline__ void gemv_block_sums(const bf16* __restrict__ w, cons
                                                     : make_uint4(0, 0, 0, 0);
             }
         }
-    };
-    for (int c0 = threadIdx.x * 8; c0 < cols; c0 += GEMV_STEP * UNROLL) {
-        load_weights(c0);
 #pragma unroll
         for (int u = 0; u < UNROLL; u++) {
             const int c = c0 + u * GEMV_STEP;

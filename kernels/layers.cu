@@ -17,6 +17,11 @@ extern "C" __global__ void embed_rows(const bf16* __restrict__ table, const int*
 // once with every load in flight. (256 threads striding the row, each load
 // waiting for the last, took 11.8 us a row at batch 1 under ncu: 65 of them
 // a step of an 8B model.)
+// x / rms(x) * w rounded to BF16, two at a time, given scale = 1 / rms.
+__device__ __forceinline__ u32 rms_scaled_bf16x2(float a, float b, float scale, float wa, float wb) {
+    return (u32)f32_to_bf16(a * scale * wa) | ((u32)f32_to_bf16(b * scale * wb) << 16);
+}
+
 #define RMS_THREADS 1024
 #define RMS_VEC 4
 extern "C" __global__ void __launch_bounds__(RMS_THREADS) rms_norm(const float* __restrict__ x, const int* __restrict__ rows,
