@@ -506,3 +506,93 @@ extern "C" __global__ void fp4_to_bf16(const unsigned char* __restrict__ codes, 
         for (int i = 0; i < 4; i++) dst[i] = make_uint4(o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]);
     }
 }
+
+// --- The activations, quantized per token (for fp4_blackwell.cu's
+// block-scaled MMA, which takes E2M1 on both sides) ---
+
+// The E2M1 code of x: nearest, ties to the even code, saturating at 6, NaN
+// and +-0 to code 0 (compute/fp4.rs's e2m1_encode, threshold for threshold;
+// Blackwell's cvt.rn.satfinite.e2m1x2 would keep -0's sign and is not on
+// Hopper, where this is tested).
+__device__ __forceinline__ u32 e2m1_code(float x) {
+    const float a = fabsf(x);
+    const u32 c = !(a > 0.25f) ? 0u : a < 0.75f ? 1u : a <= 1.25f ? 2u : a < 1.75f ? 3u : a <= 2.5f ? 4u
+                : a < 3.5f ? 5u : a <= 5.0f ? 6u : 7u;
+    return c == 0u ? 0u : c | (__float_as_uint(x) >> 31 << 3);
+}
+
+// Two values as E2M1 codes in one byte: lo in bits 0-3, hi in 4-7.
+__device__ __forceinline__ u32 e2m1x2(float lo, float hi) { return e2m1_code(lo) | (e2m1_code(hi) << 4); }
+
+// x / step for 16 BF16 values (two 16-byte words) as 8 bytes of codes
+// (all zero when step is 0, as on the CPU).
+__device__ __forceinline__ uint2 e2m1_codes16(uint4 a, uint4 b, float step) {
+    if (!(step > 0.0f)) return make_uint2(0, 0);
+    const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    u32 out[2] = {0, 0};
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        out[i >> 2] |= e2m1x2(__fdiv_rn(bf16_lo(w[i]), step), __fdiv_rn(bf16_hi(w[i]), step)) << (8 * (i & 3));
+    return make_uint2(out[0], out[1]);
+}
+
+__device__ __forceinline__ float amax16(uint4 a, uint4 b) {
+    const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    float m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) m = fmaxf(m, fmaxf(fabsf(bf16_lo(w[i])), fabsf(bf16_hi(w[i]))));
+    return m;
+}
+
+// Token t's row of x (cols BF16) as FP4 codes (cols / 2 bytes, file order)
+// and scales (cols / 16 E4M3 bytes: NV, with the tensor scale amax / (6 *
+// 448) in act_scale[t]; cols / 32 E8M0 bytes: MX, act_scale 1). One block a
+// token; cols a multiple of 32.
+template <bool NV>
+__device__ __forceinline__ void fp4_quantize_act(const bf16* __restrict__ x, int cols, unsigned char* __restrict__ codes,
+                                                 unsigned char* __restrict__ scales, float* __restrict__ act_scale) {
+    __shared__ float scratch[32];
+    const int t = blockIdx.x;
+    const uint4* row = (const uint4*)(x + (u64)t * cols);  // 8 values a word
+    uint2* out = (uint2*)(codes + (u64)t * (cols >> 1));    // 16 codes a word
+    float tensor = 1.0f;
+    if (NV) {
+        float m = 0.0f;
+        for (int i = threadIdx.x; i < cols / 16; i += blockDim.x) m = fmaxf(m, amax16(row[2 * i], row[2 * i + 1]));
+        m = block_max(m, scratch);
+        tensor = m > 0.0f ? m / (6.0f * 448.0f) : 1.0f;
+        if (threadIdx.x == 0) act_scale[t] = tensor;
+        for (int i = threadIdx.x; i < cols / 16; i += blockDim.x) {
+            const uint4 a = row[2 * i], b = row[2 * i + 1];
+            u32 code;
+            // E4M3 of amax / 6 / tensor, nearest even, saturating at 448.
+            asm("{\n\t.reg .b16 t;\n\tcvt.rn.satfinite.e4m3x2.f32 t, %1, %2;\n\tcvt.u32.u16 %0, t;\n\t}"
+                : "=r"(code)
+                : "f"(0.0f), "f"(amax16(a, b) / 6.0f / tensor));
+            code &= 0xffu;
+            scales[(u64)t * (cols / 16) + i] = (unsigned char)code;
+            const u32 e = (code >> 3) & 0xfu, mant = code & 7u;
+            const float s = e == 0u ? (float)mant * 0.001953125f : __uint_as_float(((e + 120u) << 23) | (mant << 20));
+            out[i] = e2m1_codes16(a, b, s * tensor);
+        }
+    } else {
+        if (threadIdx.x == 0) act_scale[t] = 1.0f;
+        for (int i = threadIdx.x; i < cols / 32; i += blockDim.x) {
+            const uint4 a = row[4 * i], b = row[4 * i + 1], c = row[4 * i + 2], d = row[4 * i + 3];
+            const float m = fmaxf(amax16(a, b), amax16(c, d));
+            // floor(log2(amax)) - 2 as a biased exponent, from amax's own
+            // exponent bits (0 for zero and subnormal blocks, as on the CPU).
+            const int e = (int)((__float_as_uint(m) >> 23) & 0xffu);
+            const int code = e == 0 ? 0 : min(max(e - 2, 0), 254);
+            scales[(u64)t * (cols / 32) + i] = (unsigned char)code;
+            const float step = code == 0 ? __uint_as_float(0x00400000u) : __uint_as_float((u32)code << 23);
+            out[2 * i] = e2m1_codes16(a, b, m > 0.0f ? step : 0.0f);
+            out[2 * i + 1] = e2m1_codes16(c, d, m > 0.0f ? step : 0.0f);
+        }
+    }
+}
+
+#define QUANT_ARGS const bf16 *__restrict__ x, int cols, unsigned char *__restrict__ codes, \
+                   unsigned char *__restrict__ scales, float *__restrict__ act_scale
+extern "C" __global__ void fp4_quantize_act_mx(QUANT_ARGS) { fp4_quantize_act<false>(x, cols, codes, scales, act_scale); }
+extern "C" __global__ void fp4_quantize_act_nv(QUANT_ARGS) { fp4_quantize_act<true>(x, cols, codes, scales, act_scale); }

@@ -999,17 +999,25 @@ fn compile_kernels(archs: &[String]) -> anyhow::Result<()> {
     let mut failed = 0;
     for file in KERNEL_FILES {
         for arch in archs {
+            if !file.builds_for(arch) {
+                println!(
+                    "skip  {:<16} {arch:<8} (built for {} only)",
+                    file.name,
+                    file.only_for.join(", ")
+                );
+                continue;
+            }
             let started = std::time::Instant::now();
             match compile(file, arch) {
                 Ok(cubin) => println!(
-                    "ok    {:<14} {arch:<8} {:>7} bytes  {:>5} ms",
+                    "ok    {:<16} {arch:<8} {:>7} bytes  {:>5} ms",
                     file.name,
                     cubin.len(),
                     started.elapsed().as_millis()
                 ),
                 Err(e) => {
                     failed += 1;
-                    println!("FAIL  {:<14} {arch:<8}\n{e}", file.name);
+                    println!("FAIL  {:<16} {arch:<8}\n{e}", file.name);
                 }
             }
         }

@@ -105,7 +105,7 @@ impl Gpu {
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as u32;
         let mut functions = HashMap::new();
-        for file in KERNEL_FILES {
+        for file in KERNEL_FILES.iter().filter(|f| f.builds_for(&arch)) {
             let started = std::time::Instant::now();
             let cubin = nvrtc::compile_cached(file, &arch)?;
             let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;

@@ -12,6 +12,7 @@ use serde::Serialize;
 
 use super::bench::median_secs;
 use super::device::{DevPtr, Gpu, GpuError, elementwise, grid};
+use super::fp4_blackwell::{BLOCKSCALED_COLS_MULTIPLE, blockscaled_path};
 use crate::compute::fp4::{Fp4Format, Fp4Matrix};
 use crate::model::LlamaConfig;
 
@@ -92,13 +93,16 @@ pub struct Fp4Weights {
     pub rows: usize,
     pub cols: usize,
     pub format: Fp4Format,
-    codes: CudaSlice<u8>,
-    scales: CudaSlice<u8>,
+    pub(super) codes: CudaSlice<u8>,
+    pub(super) scales: CudaSlice<u8>,
     /// Each row's tensor scale (NVFP4; 1 for MXFP4).
-    row_scale: CudaSlice<f32>,
+    pub(super) row_scale: CudaSlice<f32>,
     /// MXFP4: the power of two taken out of every scale so that the largest
     /// times 2^126 stays within bf16 (`fp4.cu`); 0 for NVFP4.
     shift: i32,
+    /// Codes in the file's order, for the Blackwell path
+    /// (`fp4_blackwell::blockscaled_path`), not the Hopper kernels' order.
+    pub(super) file_order: bool,
 }
 
 impl Fp4Weights {
@@ -129,10 +133,20 @@ impl Fp4Weights {
         let mut codes: Vec<u8> = Vec::with_capacity(rows * cols / 2);
         let mut scales = Vec::with_capacity(rows * cols / format.block());
         let mut row_scale = Vec::with_capacity(rows);
+        let file_order = blockscaled_path(gpu);
+        if file_order && !cols.is_multiple_of(BLOCKSCALED_COLS_MULTIPLE) {
+            return Err(GpuError::Other(format!(
+                "the Blackwell FP4 path takes rows of whole {BLOCKSCALED_COLS_MULTIPLE}-column steps; this matrix has {cols} columns"
+            )));
+        }
         for m in parts {
-            codes.extend(m.codes.chunks_exact(4).flat_map(|w| {
-                kernel_code_order(u32::from_le_bytes([w[0], w[1], w[2], w[3]])).to_le_bytes()
-            }));
+            if file_order {
+                codes.extend_from_slice(&m.codes);
+            } else {
+                codes.extend(m.codes.chunks_exact(4).flat_map(|w| {
+                    kernel_code_order(u32::from_le_bytes([w[0], w[1], w[2], w[3]])).to_le_bytes()
+                }));
+            }
             scales.extend_from_slice(&m.scales);
             row_scale.extend(std::iter::repeat_n(m.tensor_scale, m.rows));
         }
@@ -151,6 +165,7 @@ impl Fp4Weights {
             scales: gpu.upload(&scales)?,
             row_scale: gpu.upload(&row_scale)?,
             shift,
+            file_order,
         })
     }
 
@@ -195,6 +210,8 @@ impl Fp4Weights {
             scales: gpu.upload(&vec![scale_code; rows * cols / format.block()])?,
             row_scale: gpu.upload(&vec![tensor_scale; rows])?,
             shift: 0,
+            // Random codes: any order is the same distribution.
+            file_order: blockscaled_path(gpu),
         })
     }
 
@@ -218,6 +235,16 @@ impl Fp4Weights {
         2f32.powi(taken)
     }
 
+    /// The Hopper kernels' check: codes in their order, not the file's.
+    fn in_hopper_order(&self) -> Result<(), GpuError> {
+        if self.file_order {
+            return Err(GpuError::Other(
+                "FP4 weights uploaded for the Blackwell path (SLUICE_FP4_TCGEN05=1) go through gemm_blockscaled".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Bytes one call reads from the weights (codes and scales).
     pub fn bytes(&self) -> usize {
         self.rows * self.cols / 2 + self.rows * self.cols / self.format.block()
@@ -235,6 +262,7 @@ impl Fp4Weights {
         n: usize,
         accumulate: bool,
     ) -> Result<(), GpuError> {
+        self.in_hopper_order()?;
         if n == 0 {
             return Ok(());
         }
@@ -310,6 +338,7 @@ impl Fp4Weights {
         accumulate: bool,
         order: SumOrder,
     ) -> Result<(), GpuError> {
+        self.in_hopper_order()?;
         if n == 0 {
             return Ok(());
         }
@@ -383,6 +412,7 @@ impl Fp4Weights {
 
     /// Writes the weights as BF16 (rows x cols) at `out`.
     pub fn dequantize_into(&self, gpu: &Gpu, out: DevPtr) -> Result<(), GpuError> {
+        self.in_hopper_order()?;
         // SAFETY: `out` has room for rows * cols BF16 values (the caller's).
         gpu.launch(
             "fp4_to_bf16",

@@ -8,6 +8,7 @@ pub mod bench;
 pub mod device;
 pub mod executor;
 pub mod fp4;
+pub mod fp4_blackwell;
 pub mod layers;
 pub mod model;
 pub mod nvrtc;

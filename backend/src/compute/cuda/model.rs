@@ -325,6 +325,20 @@ impl CudaLlama {
             .unwrap_or(0)
     }
 
+    /// Whether the FP4 matrices were uploaded for the Blackwell path
+    /// (`fp4_blackwell`).
+    fn fp4_blockscaled(&self) -> bool {
+        self.fp4_matrices().any(|f| f.file_order)
+    }
+
+    /// f32s of scratch the Blackwell path needs at most for `n` tokens.
+    fn fp4_blockscaled_scratch(&self, n: usize) -> usize {
+        self.fp4_matrices()
+            .map(|f| f.blockscaled_scratch(n))
+            .max()
+            .unwrap_or(0)
+    }
+
     /// f32s of partial sums the FP4 GEMM needs at most for `n` tokens.
     fn fp4_gemm_scratch(&self, n: usize, order: SumOrder) -> usize {
         self.fp4_matrices()
@@ -376,10 +390,11 @@ impl CudaLlama {
             return Ok(Vec::new());
         }
         ws.reserve(gpu, c, n, m, plan.decode_splits)?;
-        match ws.fp4_path(n) {
+        match ws.fp4_path(n, self.fp4_blockscaled()) {
             Fp4Path::Gemv => {}
             Fp4Path::Gemm(order) => ws.reserve_fp4_part(gpu, self.fp4_gemm_scratch(n, order))?,
             Fp4Path::Dequantize => ws.reserve_dequant(gpu, self.largest_fp4())?,
+            Fp4Path::BlockScaled => ws.reserve_fp4_part(gpu, self.fp4_blockscaled_scratch(n))?,
         }
         let meta = plan.upload(gpu, &mut ws.meta)?;
         if meta.grown {
@@ -462,7 +477,8 @@ impl CudaLlama {
             Numerics::BatchInvariant => gpu.gemm_bf16(w, x, y, n, rows, cols, accumulate),
             Numerics::Fast => gpu.gemm_bf16_fast(w, x, y, n, rows, cols, accumulate),
         };
-        let linear = |w: &Linear, x, y, rows, cols, accumulate| match (w, ws.fp4_path(n)) {
+        let fp4_path = ws.fp4_path(n, self.fp4_blockscaled());
+        let linear = |w: &Linear, x, y, rows, cols, accumulate| match (w, fp4_path) {
             (Linear::Bf16(w), _) => gemm(b(w), x, y, n, rows, cols, accumulate),
             (Linear::Fp4(w), Fp4Path::Gemv) => w.gemv(gpu, x, y, n, accumulate),
             (Linear::Fp4(w), Fp4Path::Gemm(order)) => {
@@ -472,6 +488,9 @@ impl CudaLlama {
                 let scratch = b(&ws.dequant);
                 w.dequantize_into(gpu, scratch)?;
                 gpu.gemm_bf16_fast(scratch, x, y, n, rows, cols, accumulate)
+            }
+            (Linear::Fp4(w), Fp4Path::BlockScaled) => {
+                w.gemm_blockscaled(gpu, x, y, p(&ws.fp4_part), n, accumulate)
             }
         };
 
@@ -787,11 +806,14 @@ enum Fp4Path {
     Gemv,
     Gemm(SumOrder),
     Dequantize,
+    /// Blackwell's block-scaled MMA, any number of tokens (`fp4_blackwell`).
+    BlockScaled,
 }
 
 /// See `Workspace::fp4_path`.
-fn fp4_path(numerics: Numerics, tokens: usize) -> Fp4Path {
+fn fp4_path(numerics: Numerics, tokens: usize, blockscaled: bool) -> Fp4Path {
     match numerics {
+        _ if blockscaled => Fp4Path::BlockScaled,
         _ if tokens <= FP4_GEMV_MAX_TOKENS => Fp4Path::Gemv,
         Numerics::BatchInvariant => Fp4Path::Gemm(SumOrder::AsGemv),
         Numerics::Fast if tokens <= FP4_GEMM_MAX_TOKENS => Fp4Path::Gemm(SumOrder::Fastest),
@@ -840,9 +862,10 @@ impl Workspace {
     /// that, batch-invariant steps take the tiled GEMM in the GEMV's order
     /// (a token's results the same bits whichever the step's size picks),
     /// fast ones the tiled GEMM in its own order or, past
-    /// FP4_GEMM_MAX_TOKENS, a BF16 copy and cuBLAS.
-    fn fp4_path(&self, tokens: usize) -> Fp4Path {
-        fp4_path(self.numerics, tokens)
+    /// FP4_GEMM_MAX_TOKENS, a BF16 copy and cuBLAS. Weights uploaded for
+    /// Blackwell's tensor cores (`blockscaled`) take them at every size.
+    fn fp4_path(&self, tokens: usize, blockscaled: bool) -> Fp4Path {
+        fp4_path(self.numerics, tokens, blockscaled)
     }
 
     /// Room for `floats` partial sums of the FP4 GEMM.
@@ -931,17 +954,22 @@ mod tests {
     fn fp4_paths_by_numerics_and_size() {
         use Fp4Path::*;
         for n in [1, 8, 16] {
-            assert_eq!(fp4_path(Numerics::BatchInvariant, n), Gemv);
-            assert_eq!(fp4_path(Numerics::Fast, n), Gemv);
+            assert_eq!(fp4_path(Numerics::BatchInvariant, n, false), Gemv);
+            assert_eq!(fp4_path(Numerics::Fast, n, false), Gemv);
         }
         for n in [17, 64, 65, 8192] {
             assert_eq!(
-                fp4_path(Numerics::BatchInvariant, n),
+                fp4_path(Numerics::BatchInvariant, n, false),
                 Gemm(SumOrder::AsGemv)
             );
         }
-        assert_eq!(fp4_path(Numerics::Fast, 17), Gemm(SumOrder::Fastest));
-        assert_eq!(fp4_path(Numerics::Fast, 64), Gemm(SumOrder::Fastest));
-        assert_eq!(fp4_path(Numerics::Fast, 65), Dequantize);
+        assert_eq!(fp4_path(Numerics::Fast, 17, false), Gemm(SumOrder::Fastest));
+        assert_eq!(fp4_path(Numerics::Fast, 64, false), Gemm(SumOrder::Fastest));
+        assert_eq!(fp4_path(Numerics::Fast, 65, false), Dequantize);
+        for numerics in [Numerics::BatchInvariant, Numerics::Fast] {
+            for n in [1, 16, 17, 65, 8192] {
+                assert_eq!(fp4_path(numerics, n, true), BlockScaled);
+            }
+        }
     }
 }

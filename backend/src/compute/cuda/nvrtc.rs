@@ -10,12 +10,24 @@ use std::path::PathBuf;
 
 use cudarc::nvrtc::sys;
 
-/// One kernel file: its name and source.
+/// One kernel file: its name, source, and the architectures it is built
+/// for (empty: every one).
 #[derive(Clone, Copy, Debug)]
 pub struct KernelFile {
     pub name: &'static str,
     pub source: &'static str,
+    pub only_for: &'static [&'static str],
 }
+
+impl KernelFile {
+    /// Whether this file is built (and loaded) for `arch`.
+    pub fn builds_for(&self, arch: &str) -> bool {
+        self.only_for.is_empty() || self.only_for.contains(&arch)
+    }
+}
+
+/// The architectures with tcgen05 (B200, B300): `fp4_blackwell.cu`'s targets.
+pub const TCGEN05_ARCHS: &[&str] = &["sm_100a", "sm_103a"];
 
 /// Put in front of every file.
 const COMMON: &str = include_str!("../../../../kernels/common.cuh");
@@ -25,26 +37,37 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     KernelFile {
         name: "weights.cu",
         source: include_str!("../../../../kernels/weights.cu"),
+        only_for: &[],
     },
     KernelFile {
         name: "layers.cu",
         source: include_str!("../../../../kernels/layers.cu"),
+        only_for: &[],
     },
     KernelFile {
         name: "gemv.cu",
         source: include_str!("../../../../kernels/gemv.cu"),
+        only_for: &[],
     },
     KernelFile {
         name: "attention.cu",
         source: include_str!("../../../../kernels/attention.cu"),
+        only_for: &[],
     },
     KernelFile {
         name: "transfer.cu",
         source: include_str!("../../../../kernels/transfer.cu"),
+        only_for: &[],
     },
     KernelFile {
         name: "fp4.cu",
         source: include_str!("../../../../kernels/fp4.cu"),
+        only_for: &[],
+    },
+    KernelFile {
+        name: "fp4_blackwell.cu",
+        source: include_str!("../../../../kernels/fp4_blackwell.cu"),
+        only_for: TCGEN05_ARCHS,
     },
 ];
 

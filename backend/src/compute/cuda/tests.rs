@@ -588,3 +588,61 @@ fn fp4_gemv_matches_the_cpu_reference() {
     let m = Fp4Matrix::quantize(Fp4Format::Nvfp4, 2, 48, &values(96, 3)).unwrap();
     assert!(super::fp4::Fp4Weights::upload(&gpu, &m).is_err());
 }
+
+/// The activation quantizer of the Blackwell path (`fp4_quantize_act_*`,
+/// which runs on any GPU) gives, token by token, what the CPU quantizer gives
+/// for that token's row alone: the same codes (+-0 aside), scale bytes and
+/// tensor scale, on rows of mixed magnitudes with exact block maxima, ties
+/// between grid points and an all-zero block.
+#[test]
+fn activation_quantizer_matches_the_cpu_quantizer() {
+    use super::fp4_blackwell::{ActivationLayout, quantize_activations};
+    use crate::compute::fp4::{Fp4Format, Fp4Matrix};
+    let Some(gpu) = gpu() else { return };
+    let (n, cols) = (5, 512);
+    let mut x: Vec<f32> = values(n * cols, 91)
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v * 2f32.powi((i / 32 % 9) as i32 - 4))
+        .collect();
+    // Token 1: values on the grid's midpoints under a block max of 6 (ties),
+    // and a zero block; token 2: one huge and many tiny values.
+    for (k, v) in x[cols..cols + 32].iter_mut().enumerate() {
+        *v = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -2.5][k % 10];
+    }
+    x[cols + 32..cols + 64].fill(0.0);
+    x[2 * cols] = 3.0e4;
+    let x = from_bf16(&to_bf16(&x));
+    let dx = gpu.upload(&to_bf16(&x)).unwrap();
+    for format in [Fp4Format::Mxfp4, Fp4Format::Nvfp4] {
+        let at = ActivationLayout::new(format, n, cols);
+        let scratch = gpu.alloc::<f32>(at.floats).unwrap();
+        quantize_activations(&gpu, format, gpu.ptr(&dx, 0), n, cols, gpu.ptr(&scratch, 0)).unwrap();
+        let bytes: Vec<u8> = gpu
+            .download(&scratch, at.floats)
+            .unwrap()
+            .iter()
+            .flat_map(|f| f.to_le_bytes())
+            .collect();
+        for t in 0..n {
+            let cpu = Fp4Matrix::quantize(format, 1, cols, &x[t * cols..(t + 1) * cols]).unwrap();
+            let tensor = f32::from_le_bytes(bytes[4 * t..4 * t + 4].try_into().unwrap());
+            assert_eq!(
+                tensor, cpu.tensor_scale,
+                "{format:?} token {t}: tensor scale"
+            );
+            let per_row = cols / format.block();
+            let scales = &bytes[at.scales + t * per_row..at.scales + (t + 1) * per_row];
+            assert_eq!(scales, &cpu.scales[..], "{format:?} token {t}: scales");
+            let codes = &bytes[at.codes + t * cols / 2..at.codes + (t + 1) * cols / 2];
+            for (i, (&g, &c)) in codes.iter().zip(&cpu.codes).enumerate() {
+                // Code 8 (-0) equals code 0.
+                let same = |a: u8, b: u8| a == b || (a | b) == 8;
+                assert!(
+                    same(g & 15, c & 15) && same(g >> 4, c >> 4),
+                    "{format:?} token {t} byte {i}: {g:#04x} vs {c:#04x}"
+                );
+            }
+        }
+    }
+}
