@@ -166,6 +166,42 @@ __device__ __forceinline__ void attention_tile_loop(
 #define ATTN_PASS q, k_cache, v_cache, tables, max_blocks, block_size, items, n_heads, n_kv_heads, scale, \
                   n_splits, keys_per_split_at, out, part_acc, part_ml
 
+// The end of a decode block: its warps' (m, l, acc) of each of the group's
+// heads, in shared memory, merged in warp order, then written as the output
+// (one split) or as this split's partials for attention_combine.
+template <int HD, int G, int WARPS>
+__device__ __forceinline__ void decode_merge_warps(const float (*sm_m)[G], const float (*sm_l)[G],
+                                                   const float (*sm_acc)[G][HD], int group, int q_row, int kvh,
+                                                   int split, int n_heads, int n_splits, bf16* __restrict__ out,
+                                                   float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    const int q_dim = n_heads * HD;
+    for (int i = threadIdx.x; i < group * HD; i += blockDim.x) {
+        const int g = i / HD, d = i % HD;
+        float mx = NEG_INF;
+        for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, sm_m[w][g]);
+        float lsum = 0.0f, a = 0.0f;
+        if (mx != NEG_INF) {
+            for (int w = 0; w < WARPS; w++) {
+                if (sm_m[w][g] == NEG_INF) continue;
+                const float f = expf(sm_m[w][g] - mx);
+                lsum += sm_l[w][g] * f;
+                a += sm_acc[w][g][d] * f;
+            }
+        }
+        const int head = kvh * group + g;
+        if (n_splits == 1) {
+            out[(u64)q_row * q_dim + head * HD + d] = f32_to_bf16(lsum > 0.0f ? a / lsum : 0.0f);
+        } else {
+            const u64 at = ((u64)q_row * n_heads + head) * n_splits + split;
+            part_acc[at * HD + d] = a;
+            if (d == 0) {
+                part_ml[2 * at] = mx;
+                part_ml[2 * at + 1] = lsum;
+            }
+        }
+    }
+}
+
 // Decode: one query token per item. Each warp takes tiles of 32 keys, one key
 // per lane: a lane reads its key's whole K row (16-byte loads) and scores it
 // against the group's query heads (from shared memory), the tile's softmax is
@@ -296,31 +332,8 @@ __device__ __forceinline__ void attention_decode_tiles(ATTN_ARGS) {
 #pragma unroll
         for (int d = 0; d < D; d++) sm_acc[warp][g][lane * D + d] = acc[g][d];
     __syncthreads();
-    for (int i = threadIdx.x; i < group * HD; i += blockDim.x) {
-        const int g = i / HD, d = i % HD;
-        float mx = NEG_INF;
-        for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, sm_m[w][g]);
-        float lsum = 0.0f, a = 0.0f;
-        if (mx != NEG_INF) {
-            for (int w = 0; w < WARPS; w++) {
-                if (sm_m[w][g] == NEG_INF) continue;
-                const float f = expf(sm_m[w][g] - mx);
-                lsum += sm_l[w][g] * f;
-                a += sm_acc[w][g][d] * f;
-            }
-        }
-        const int head = kvh * group + g;
-        if (n_splits == 1) {
-            out[(u64)q_row * q_dim + head * HD + d] = f32_to_bf16(lsum > 0.0f ? a / lsum : 0.0f);
-        } else {
-            const u64 at = ((u64)q_row * n_heads + head) * n_splits + split;
-            part_acc[at * HD + d] = a;
-            if (d == 0) {
-                part_ml[2 * at] = mx;
-                part_ml[2 * at + 1] = lsum;
-            }
-        }
-    }
+    decode_merge_warps<HD, G, WARPS>(sm_m, sm_l, sm_acc, group, q_row, kvh, split, n_heads, n_splits, out, part_acc,
+                                     part_ml);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_decode_hd64_g4(ATTN_ARGS) {
@@ -334,6 +347,159 @@ extern "C" __global__ void __launch_bounds__(128) attention_decode_hd128_g4(ATTN
 }
 extern "C" __global__ void __launch_bounds__(128) attention_decode_hd128_g8(ATTN_ARGS) {
     attention_decode_tiles<128, 8>(ATTN_PASS);
+}
+// Decode on the tensor cores (mma.sync m16n8k16, BF16 in, f32 out): the
+// same work items, splits and partials as attention_decode_tiles, for groups
+// of at most 8 query heads (rows 0-7 of the MMA; 8-15 are zeros). Each warp
+// takes 16 keys at a time. Q.K: lane (g, t) loads query head g's dims
+// t * HD/4 .. + HD/4 once and, for keys n0 + g and n0 + 8 + g, the same
+// dims of their K rows (16-byte loads); as the dot product does not care in
+// which order dims are summed, MMA k-step ks pairs the A columns {2t, 2t + 1}
+// and {2t + 8, 2t + 9} with dims t * HD/4 + 4ks + {0, 1} and {2, 3} on both
+// sides. The scores come out as rows (heads) x keys, each row on the four
+// lanes of a quad: its softmax takes two shuffles, and the probabilities,
+// rounded to BF16, are the A fragment of P.V as they lie. V: the same lanes
+// load the same dims of the two keys' V rows; each 32-bit word is a column
+// pair of an 8 keys x 8 dims matrix (keys down, lane t's dims across), which
+// movmatrix transposes into the B fragment. The dims of such a matrix are
+// t * HD/4 + 8j + 2w + {0, 1} for its t, so the output columns {2t, 2t + 1}
+// land on lane t's own dims. Per 16 keys a lane issues 2 * HD/8 MMAs where
+// the CUDA-core kernel above issued ~800 dependent FMAs and shuffles (what
+// bound it at batch 1, BENCHMARKS.md).
+template <int HD>
+__device__ __forceinline__ void attention_decode_mma(ATTN_ARGS) {
+    constexpr int WARPS = 4, G = 8;
+    constexpr int DL = HD / 4;   // dims a quad position covers
+    constexpr int KS = HD / 16;  // k-steps of Q.K
+    constexpr int VJ = DL / 8;   // 16-byte words of a row a lane loads
+    __shared__ float sm_m[WARPS][G], sm_l[WARPS][G];
+    __shared__ float sm_acc[WARPS][G][HD];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int* item = items + 4 * blockIdx.x;
+    const int seq = item[0], q_row = item[1], q_pos = item[3];
+    const int kvh = blockIdx.y, split = blockIdx.z;
+    const int group = n_heads / n_kv_heads;
+    const int q_dim = n_heads * HD, kv_dim = n_kv_heads * HD;
+    const int keys_per_split = *keys_per_split_at;
+    const int k_begin = split * keys_per_split;
+    const int k_end = min(q_pos + 1, k_begin + keys_per_split);
+    const int* table = tables + (u64)seq * max_blocks;
+
+    // Query head g's dims t * DL .., as KS pairs of words (a0, a2).
+    u32 qa[2 * KS];
+    {
+        const uint4* qrow = (const uint4*)(q + (u64)q_row * q_dim + (kvh * group + g) * HD + t * DL);
+#pragma unroll
+        for (int c = 0; c < VJ; c++) {
+            const uint4 v = g < group ? qrow[c] : make_uint4(0, 0, 0, 0);
+            qa[4 * c] = v.x;
+            qa[4 * c + 1] = v.y;
+            qa[4 * c + 2] = v.z;
+            qa[4 * c + 3] = v.w;
+        }
+    }
+    float o[VJ][4][4];
+#pragma unroll
+    for (int j = 0; j < VJ; j++)
+#pragma unroll
+        for (int w = 0; w < 4; w++) o[j][w][0] = o[j][w][1] = o[j][w][2] = o[j][w][3] = 0.0f;
+    float m = NEG_INF, l = 0.0f;
+
+    for (int n0 = k_begin + 16 * warp; n0 < k_end; n0 += 16 * WARPS) {
+        // This lane's two keys (n0 + g, n0 + 8 + g): K and V, all loads at once.
+        uint4 kw[2][VJ], vw[2][VJ];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int key = n0 + 8 * h + g;
+            if (key < k_end) {
+                const u64 row = ((u64)table[key / block_size] * block_size + key % block_size) * kv_dim + kvh * HD + t * DL;
+#pragma unroll
+                for (int c = 0; c < VJ; c++) {
+                    kw[h][c] = ((const uint4*)(k_cache + row))[c];
+                    vw[h][c] = ((const uint4*)(v_cache + row))[c];
+                }
+            } else {
+#pragma unroll
+                for (int c = 0; c < VJ; c++) kw[h][c] = vw[h][c] = make_uint4(0, 0, 0, 0);
+            }
+        }
+        // Scores: rows = heads, columns = keys n0 + 8h + {2t, 2t + 1}.
+        float sc[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            sc[h][0] = sc[h][1] = sc[h][2] = sc[h][3] = 0.0f;
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++) {
+                const uint4 k4 = kw[h][ks >> 1];
+                const u32 b0 = (ks & 1) ? k4.z : k4.x, b1 = (ks & 1) ? k4.w : k4.y;
+                mma_bf16_16816(sc[h], qa[2 * ks], 0u, qa[2 * ks + 1], 0u, b0, b1);
+            }
+        }
+        float s[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int key = n0 + 8 * (i >> 1) + 2 * t + (i & 1);
+            s[i] = key < k_end ? sc[i >> 1][i & 1] * scale : NEG_INF;
+        }
+        float mx = fmaxf(fmaxf(s[0], s[1]), fmaxf(s[2], s[3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m, mx);
+        // All keys so far masked (m_new = -inf): nothing to add, nothing to rescale.
+        const float corr = m_new == NEG_INF ? 1.0f : expf(m - m_new);
+        float p[4], ps = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            p[i] = m_new == NEG_INF ? 0.0f : expf(s[i] - m_new);
+            ps += p[i];
+        }
+        ps += __shfl_xor_sync(0xffffffffu, ps, 1);
+        ps += __shfl_xor_sync(0xffffffffu, ps, 2);
+        l = l * corr + ps;
+        m = m_new;
+        // P as the A fragment: columns {2t, 2t + 1} are keys n0 + 2t + {0, 1},
+        // {2t + 8, 2t + 9} keys n0 + 8 + 2t + {0, 1}.
+        const u32 pa0 = (u32)f32_to_bf16(p[0]) | ((u32)f32_to_bf16(p[1]) << 16);
+        const u32 pa2 = (u32)f32_to_bf16(p[2]) | ((u32)f32_to_bf16(p[3]) << 16);
+#pragma unroll
+        for (int j = 0; j < VJ; j++)
+#pragma unroll
+            for (int w = 0; w < 4; w++) {
+                u32 b[2];
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const uint4 v4 = vw[h][j];
+                    const u32 raw = w == 0 ? v4.x : w == 1 ? v4.y : w == 2 ? v4.z : v4.w;
+                    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(b[h]) : "r"(raw));
+                }
+                float* acc = o[j][w];
+                acc[0] *= corr;
+                acc[1] *= corr;
+                mma_bf16_16816(acc, pa0, 0u, pa2, 0u, b[0], b[1]);
+            }
+    }
+    if (t == 0 && g < G) {
+        sm_m[warp][g] = m;
+        sm_l[warp][g] = l;
+    }
+#pragma unroll
+    for (int j = 0; j < VJ; j++)
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            sm_acc[warp][g][t * DL + 8 * j + 2 * w] = o[j][w][0];
+            sm_acc[warp][g][t * DL + 8 * j + 2 * w + 1] = o[j][w][1];
+        }
+    __syncthreads();
+    decode_merge_warps<HD, G, WARPS>(sm_m, sm_l, sm_acc, group, q_row, kvh, split, n_heads, n_splits, out, part_acc,
+                                     part_ml);
+}
+
+// Groups of up to 8 query heads a KV head.
+extern "C" __global__ void __launch_bounds__(128) attention_decode_mma_hd64(ATTN_ARGS) {
+    attention_decode_mma<64>(ATTN_PASS);
+}
+extern "C" __global__ void __launch_bounds__(128) attention_decode_mma_hd128(ATTN_ARGS) {
+    attention_decode_mma<128>(ATTN_PASS);
 }
 // Prefill: up to 64 rows (query tokens x query heads of a KV head) per item.
 extern "C" __global__ void __launch_bounds__(256) attention_prefill_hd64(ATTN_ARGS) {

@@ -54,6 +54,19 @@ __device__ __forceinline__ float block_reduce(float v, float none, float* scratc
 __device__ __forceinline__ float block_sum(float v, float* scratch) { return block_reduce<warp_sum>(v, 0.0f, scratch); }
 __device__ __forceinline__ float block_max(float v, float* scratch) { return block_reduce<warp_max>(v, NEG_INF, scratch); }
 
+// c += A . B on the BF16 tensor cores (m16n8k16, f32 accumulators): lane
+// (g = lane / 4, t = lane % 4) holds A's rows g (a0, a2) and g + 8 (a1, a3)
+// at columns {2t, 2t + 1} (a0, a1) and {2t + 8, 2t + 9} (a2, a3), B's column
+// g at rows {2t, 2t + 1} (b0) and {2t + 8, 2t + 9} (b1), and c's rows g (c0,
+// c1) and g + 8 (c2, c3) at columns {2t, 2t + 1}.
+__device__ __forceinline__ void mma_bf16_16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // splitmix64: the synthetic weights' generator (the host has the same, in
 // compute::cuda::synthetic, to check against).
 __device__ __forceinline__ u64 splitmix64(u64 x) {

@@ -622,9 +622,15 @@ pub(crate) fn launch_attention(
     let decode_items = plan.decode_items.len() / 4;
     if decode_items > 0 {
         let splits = plan.decode_splits;
-        let g = if c.n_heads / c.n_kv_heads <= 4 { 4 } else { 8 };
+        let group = c.n_heads / c.n_kv_heads;
+        let g = if group <= 4 { 4 } else { 8 };
+        let name = if group <= 8 && std::env::var("SLUICE_ATTN_MMA").as_deref() != Ok("0") {
+            format!("attention_decode_mma_hd{hd}")
+        } else {
+            format!("attention_decode_hd{hd}_g{g}")
+        };
         launch(
-            format!("attention_decode_hd{hd}_g{g}"),
+            name,
             meta.decode_items,
             decode_items,
             splits,
