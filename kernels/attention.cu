@@ -9,13 +9,14 @@
 //
 // Grid: (item, KV head, split). A block takes the query heads that share its KV
 // head (GQA) for every query token of its item. Decode launches (one query
-// token per item, `attention_decode_*`) split the keys across blocks
-// (flash-decoding) and `attention_combine` merges the splits; prefill launches
+// token per item, `attention_decode_mma_*`: K and V read straight into
+// tensor-core fragments) split the keys across blocks (flash-decoding) and
+// `attention_combine` merges the splits; prefill launches
 // (`attention_prefill_*`: R = n_q * group rows, at most MAXR, K and V tiles in
 // shared memory) use items of several query tokens and one split.
 //
-// Scores are computed on CUDA cores in f32; tensor-core tiles are the next step
-// (BENCHMARKS.md says what this costs in prefill).
+// Prefill scores are computed on CUDA cores in f32; tensor-core tiles there
+// are the next step (BENCHMARKS.md says what this costs in prefill).
 
 template <int HD, int MAXR, int NT, int KT>
 __device__ __forceinline__ void attention_tile_loop(
@@ -202,175 +203,35 @@ __device__ __forceinline__ void decode_merge_warps(const float (*sm_m)[G], const
     }
 }
 
-// Decode: one query token per item. Each warp takes tiles of 32 keys, one key
-// per lane: a lane reads its key's whole K row (16-byte loads) and scores it
-// against the group's query heads (from shared memory), the tile's softmax is
-// two warp reductions per head, then the lanes switch roles for P.V: lane l
-// owns dims [l * D, (l + 1) * D) of every head, loads them from all the
-// tile's V rows at once (coalesced) and walks them, taking each key's
-// probability by shuffle. No barriers inside
-// the loop; the block's 4 warps are merged through shared memory at the end.
-// G: query heads per KV head, at most.
-// A lane's dims of one V row, raw: 2 BF16 (one word) or 4 (two).
-template <int D> struct VWordOf { using T = u32; };
-template <> struct VWordOf<4> { using T = uint2; };
-
-template <int HD, int G>
-__device__ __forceinline__ void attention_decode_tiles(ATTN_ARGS) {
-    constexpr int D = HD / 32;  // 2 or 4 output dims a lane
-    constexpr int WARPS = 4;
-    __shared__ __align__(16) float sm_q[G][HD];
-    __shared__ float sm_m[WARPS][G], sm_l[WARPS][G];
-    __shared__ float sm_acc[WARPS][G][HD];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int* item = items + 4 * blockIdx.x;
-    const int seq = item[0], q_row = item[1], q_pos = item[3];
-    const int kvh = blockIdx.y, split = blockIdx.z;
-    const int group = n_heads / n_kv_heads;
-    const int q_dim = n_heads * HD, kv_dim = n_kv_heads * HD;
-    const int keys_per_split = *keys_per_split_at;
-    const int k_begin = split * keys_per_split;
-    const int k_end = min(q_pos + 1, k_begin + keys_per_split);
-    const int* table = tables + (u64)seq * max_blocks;
-
-    for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
-        const int g = i / HD, d = i % HD;
-        sm_q[g][d] = g < group ? bf16_to_f32(q[(u64)q_row * q_dim + (kvh * group + g) * HD + d]) * scale : 0.0f;
-    }
-    __syncthreads();
-
-    float acc[G][D], m[G], l[G];
-#pragma unroll
-    for (int g = 0; g < G; g++) {
-        m[g] = NEG_INF;
-        l[g] = 0.0f;
-#pragma unroll
-        for (int d = 0; d < D; d++) acc[g][d] = 0.0f;
-    }
-    for (int k0 = k_begin + warp * 32; k0 < k_end; k0 += WARPS * 32) {
-        const int key = k0 + lane;
-        const bool valid = key < k_end;
-        u64 row = 0;
-        if (valid) row = ((u64)table[key / block_size] * block_size + key % block_size) * kv_dim + kvh * HD;
-        // Scores: this lane's key against every head.
-        float s[G];
-#pragma unroll
-        for (int g = 0; g < G; g++) s[g] = 0.0f;
-        if (valid) {
-            // The whole K row first (HD / 8 loads in flight), then the sums.
-            uint4 krow[HD / 8];
-#pragma unroll
-            for (int c = 0; c < HD / 8; c++) krow[c] = ((const uint4*)(k_cache + row))[c];
-#pragma unroll
-            for (int c = 0; c < HD / 8; c++) {
-                const uint4 kw = krow[c];
-                const float k8[8] = {bf16_lo(kw.x), bf16_hi(kw.x), bf16_lo(kw.y), bf16_hi(kw.y),
-                                     bf16_lo(kw.z), bf16_hi(kw.z), bf16_lo(kw.w), bf16_hi(kw.w)};
-#pragma unroll
-                for (int g = 0; g < G; g++) {
-                    const float4 qa = *(const float4*)&sm_q[g][c * 8];
-                    const float4 qb = *(const float4*)&sm_q[g][c * 8 + 4];
-                    s[g] += qa.x * k8[0] + qa.y * k8[1] + qa.z * k8[2] + qa.w * k8[3] +
-                            qb.x * k8[4] + qb.y * k8[5] + qb.z * k8[6] + qb.w * k8[7];
-                }
-            }
-        }
-        // The tile's softmax, per head; p[g] is this lane's key's weight.
-        float p[G];
-#pragma unroll
-        for (int g = 0; g < G; g++) {
-            const float tile_max = warp_max(valid ? s[g] : NEG_INF);
-            const float m_new = fmaxf(m[g], tile_max);
-            const float corr = expf(m[g] - m_new);  // 0 while m[g] is -inf
-            p[g] = valid ? expf(s[g] - m_new) : 0.0f;
-            l[g] = l[g] * corr + warp_sum(p[g]);
-            m[g] = m_new;
-#pragma unroll
-            for (int d = 0; d < D; d++) acc[g][d] *= corr;
-        }
-        // P.V: the tile's V rows, all loaded (raw BF16, this lane's dims of
-        // each) before any is used, so one memory latency a tile instead of
-        // one per few rows; then this lane adds its dims of each row, taking
-        // the key's weight by shuffle.
-        const int n_keys = min(32, k_end - k0);
-        using VWord = typename VWordOf<D>::T;
-        VWord vraw[32];
-#pragma unroll
-        for (int u = 0; u < 32; u++) {
-            const u64 vrow = __shfl_sync(0xffffffffu, row, u);
-            if (u < n_keys) {
-                vraw[u] = *(const VWord*)(v_cache + vrow + lane * D);
-            } else {
-                vraw[u] = VWord{};
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < 32; u++) {
-            float v[D];
-            if constexpr (D == 4) {
-                v[0] = bf16_lo(vraw[u].x); v[1] = bf16_hi(vraw[u].x); v[2] = bf16_lo(vraw[u].y); v[3] = bf16_hi(vraw[u].y);
-            } else {
-                v[0] = bf16_lo(vraw[u]); v[1] = bf16_hi(vraw[u]);
-            }
-#pragma unroll
-            for (int g = 0; g < G; g++) {
-                const float pj = __shfl_sync(0xffffffffu, p[g], u);
-#pragma unroll
-                for (int d = 0; d < D; d++) acc[g][d] = fmaf(pj, v[d], acc[g][d]);
-            }
-        }
-    }
-    if (lane == 0) {
-#pragma unroll
-        for (int g = 0; g < G; g++) {
-            sm_m[warp][g] = m[g];
-            sm_l[warp][g] = l[g];
-        }
-    }
-#pragma unroll
-    for (int g = 0; g < G; g++)
-#pragma unroll
-        for (int d = 0; d < D; d++) sm_acc[warp][g][lane * D + d] = acc[g][d];
-    __syncthreads();
-    decode_merge_warps<HD, G, WARPS>(sm_m, sm_l, sm_acc, group, q_row, kvh, split, n_heads, n_splits, out, part_acc,
-                                     part_ml);
-}
-
-extern "C" __global__ void __launch_bounds__(128) attention_decode_hd64_g4(ATTN_ARGS) {
-    attention_decode_tiles<64, 4>(ATTN_PASS);
-}
-extern "C" __global__ void __launch_bounds__(128) attention_decode_hd64_g8(ATTN_ARGS) {
-    attention_decode_tiles<64, 8>(ATTN_PASS);
-}
-extern "C" __global__ void __launch_bounds__(128) attention_decode_hd128_g4(ATTN_ARGS) {
-    attention_decode_tiles<128, 4>(ATTN_PASS);
-}
-extern "C" __global__ void __launch_bounds__(128) attention_decode_hd128_g8(ATTN_ARGS) {
-    attention_decode_tiles<128, 8>(ATTN_PASS);
-}
 // Decode on the tensor cores (mma.sync m16n8k16, BF16 in, f32 out): the
-// same work items, splits and partials as attention_decode_tiles, for groups
-// of at most 8 query heads (rows 0-7 of the MMA; 8-15 are zeros). Each warp
-// takes 16 keys at a time. Q.K: lane (g, t) loads query head g's dims
-// t * HD/4 .. + HD/4 once and, for keys n0 + g and n0 + 8 + g, the same
-// dims of their K rows (16-byte loads); as the dot product does not care in
-// which order dims are summed, MMA k-step ks pairs the A columns {2t, 2t + 1}
-// and {2t + 8, 2t + 9} with dims t * HD/4 + 4ks + {0, 1} and {2, 3} on both
-// sides. The scores come out as rows (heads) x keys, each row on the four
-// lanes of a quad: its softmax takes two shuffles, and the probabilities,
-// rounded to BF16, are the A fragment of P.V as they lie. V: the same lanes
-// load the same dims of the two keys' V rows; each 32-bit word is a column
-// pair of an 8 keys x 8 dims matrix (keys down, lane t's dims across), which
-// movmatrix transposes into the B fragment. The dims of such a matrix are
-// t * HD/4 + 8j + 2w + {0, 1} for its t, so the output columns {2t, 2t + 1}
-// land on lane t's own dims. Per 16 keys a lane issues 2 * HD/8 MMAs where
-// the CUDA-core kernel above issued ~800 dependent FMAs and shuffles (what
-// bound it at batch 1, BENCHMARKS.md).
+// one query token per work item; the keys of a split are the block's, its
+// warps' results merged at the end (decode_merge_warps), for groups of at
+// most 8 query heads. Each warp takes 16 keys at a time, with keys and
+// dims as the MMA's M and heads as its N (8), so that no row of it is idle.
+// S^T = K . Q^T: lane (g, t) loads the K rows of keys n0 + g and n0 + 8 + g
+// at dims t * HD/4 .. + HD/4 (16-byte loads) and query head g's same dims
+// (once); as the dot product does not care in which order dims are summed,
+// k-step ks pairs the MMA's columns {2t, 2t + 1} and {2t + 8, 2t + 9} with
+// dims t * HD/4 + 4ks + {0, 1} and {2, 3} on both sides. The scores come out
+// as keys x heads: lane (g, t) holds heads 2t and 2t + 1 of keys g and g + 8,
+// so each head's softmax over the 16 keys is three shuffles across g, and
+// the lane keeps its two heads' running max and sum. O^T = V^T . P^T: the
+// probabilities, rounded to BF16, are an 8 x 8 matrix per key half whose
+// transpose (movmatrix) is P^T's B fragment; the same lanes load the same
+// dims of the two keys' V rows, each 32-bit word a column pair of an 8 keys
+// x 8 dims matrix, and its transpose is a quarter of V^T's A fragment. Dims
+// of such a matrix are t * HD/4 + 8j + 2w + {0, 1} across its columns t, so
+// output row g of the MMA pairing words (2p, 2p + 1) of 16-byte word j is
+// dim (g / 2) * HD/4 + 8j + 2(2p + r) + g % 2 (r = 0 for c0/c1, 1 for
+// c2/c3). Per 16 keys a lane issues HD/8 MMAs and HD/8 + 2 movmatrix where
+// the CUDA-core kernel this replaced (a key a lane, scores against Q in
+// shared memory, P.V by shuffles) issued ~800 dependent FMAs and shuffles,
+// which bound it at batch 1 (BENCHMARKS.md).
 template <int HD>
 __device__ __forceinline__ void attention_decode_mma(ATTN_ARGS) {
     constexpr int WARPS = 4, G = 8;
     constexpr int DL = HD / 4;   // dims a quad position covers
-    constexpr int KS = HD / 16;  // k-steps of Q.K
+    constexpr int KS = HD / 16;  // k-steps of S^T, and m-tiles of O^T
     constexpr int VJ = DL / 8;   // 16-byte words of a row a lane loads
     __shared__ float sm_m[WARPS][G], sm_l[WARPS][G];
     __shared__ float sm_acc[WARPS][G][HD];
@@ -385,28 +246,30 @@ __device__ __forceinline__ void attention_decode_mma(ATTN_ARGS) {
     const int k_end = min(q_pos + 1, k_begin + keys_per_split);
     const int* table = tables + (u64)seq * max_blocks;
 
-    // Query head g's dims t * DL .., as KS pairs of words (a0, a2).
-    u32 qa[2 * KS];
+    // Query head g's dims t * DL .., 2 words a k-step (b0, b1 of Q^T).
+    u32 qb[2 * KS];
     {
         const uint4* qrow = (const uint4*)(q + (u64)q_row * q_dim + (kvh * group + g) * HD + t * DL);
 #pragma unroll
         for (int c = 0; c < VJ; c++) {
             const uint4 v = g < group ? qrow[c] : make_uint4(0, 0, 0, 0);
-            qa[4 * c] = v.x;
-            qa[4 * c + 1] = v.y;
-            qa[4 * c + 2] = v.z;
-            qa[4 * c + 3] = v.w;
+            qb[4 * c] = v.x;
+            qb[4 * c + 1] = v.y;
+            qb[4 * c + 2] = v.z;
+            qb[4 * c + 3] = v.w;
         }
     }
-    float o[VJ][4][4];
+    // O^T: m-tile (j, p) rows = dims of words 2p (c0, c1) and 2p + 1 (c2, c3)
+    // of 16-byte word j; columns = heads 2t, 2t + 1.
+    float o[VJ][2][4];
 #pragma unroll
     for (int j = 0; j < VJ; j++)
 #pragma unroll
-        for (int w = 0; w < 4; w++) o[j][w][0] = o[j][w][1] = o[j][w][2] = o[j][w][3] = 0.0f;
-    float m = NEG_INF, l = 0.0f;
+        for (int p = 0; p < 2; p++) o[j][p][0] = o[j][p][1] = o[j][p][2] = o[j][p][3] = 0.0f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
 
     for (int n0 = k_begin + 16 * warp; n0 < k_end; n0 += 16 * WARPS) {
-        // This lane's two keys (n0 + g, n0 + 8 + g): K and V, all loads at once.
+        // This lane's two keys (n0 + g, n0 + 8 + g): K and V rows, all loads at once.
         uint4 kw[2][VJ], vw[2][VJ];
 #pragma unroll
         for (int h = 0; h < 2; h++) {
@@ -423,72 +286,83 @@ __device__ __forceinline__ void attention_decode_mma(ATTN_ARGS) {
                 for (int c = 0; c < VJ; c++) kw[h][c] = vw[h][c] = make_uint4(0, 0, 0, 0);
             }
         }
-        // Scores: rows = heads, columns = keys n0 + 8h + {2t, 2t + 1}.
-        float sc[2][4];
+        // S^T: c0, c1 = keys n0 + g, heads 2t, 2t + 1; c2, c3 = key n0 + 8 + g.
+        float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            sc[h][0] = sc[h][1] = sc[h][2] = sc[h][3] = 0.0f;
-#pragma unroll
-            for (int ks = 0; ks < KS; ks++) {
-                const uint4 k4 = kw[h][ks >> 1];
-                const u32 b0 = (ks & 1) ? k4.z : k4.x, b1 = (ks & 1) ? k4.w : k4.y;
-                mma_bf16_16816(sc[h], qa[2 * ks], 0u, qa[2 * ks + 1], 0u, b0, b1);
-            }
+        for (int ks = 0; ks < KS; ks++) {
+            const uint4 lo = kw[0][ks >> 1], hi = kw[1][ks >> 1];
+            const bool odd = ks & 1;
+            mma_bf16_16816(sc, odd ? lo.z : lo.x, odd ? hi.z : hi.x, odd ? lo.w : lo.y, odd ? hi.w : hi.y, qb[2 * ks],
+                           qb[2 * ks + 1]);
         }
-        float s[4];
+        float p[4], corr[2];
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int key = n0 + 8 * (i >> 1) + 2 * t + (i & 1);
-            s[i] = key < k_end ? sc[i >> 1][i & 1] * scale : NEG_INF;
+        for (int e = 0; e < 2; e++) {
+            const float s0 = n0 + g < k_end ? sc[e] * scale : NEG_INF;
+            const float s1 = n0 + 8 + g < k_end ? sc[2 + e] * scale : NEG_INF;
+            float mx = fmaxf(s0, s1);
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+            const float m_new = fmaxf(m[e], mx);
+            // All keys so far masked (m_new = -inf): nothing to add or rescale.
+            corr[e] = m_new == NEG_INF ? 1.0f : expf(m[e] - m_new);
+            p[e] = m_new == NEG_INF ? 0.0f : expf(s0 - m_new);
+            p[2 + e] = m_new == NEG_INF ? 0.0f : expf(s1 - m_new);
+            float ps = p[e] + p[2 + e];
+            ps += __shfl_xor_sync(0xffffffffu, ps, 4);
+            ps += __shfl_xor_sync(0xffffffffu, ps, 8);
+            ps += __shfl_xor_sync(0xffffffffu, ps, 16);
+            l[e] = l[e] * corr[e] + ps;
+            m[e] = m_new;
         }
-        float mx = fmaxf(fmaxf(s[0], s[1]), fmaxf(s[2], s[3]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m, mx);
-        // All keys so far masked (m_new = -inf): nothing to add, nothing to rescale.
-        const float corr = m_new == NEG_INF ? 1.0f : expf(m - m_new);
-        float p[4], ps = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            p[i] = m_new == NEG_INF ? 0.0f : expf(s[i] - m_new);
-            ps += p[i];
+        // P^T's B fragment: the keys x heads probabilities, transposed.
+        u32 pb[2];
+        {
+            const u32 lo = (u32)f32_to_bf16(p[0]) | ((u32)f32_to_bf16(p[1]) << 16);
+            const u32 hi = (u32)f32_to_bf16(p[2]) | ((u32)f32_to_bf16(p[3]) << 16);
+            asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(pb[0]) : "r"(lo));
+            asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(pb[1]) : "r"(hi));
         }
-        ps += __shfl_xor_sync(0xffffffffu, ps, 1);
-        ps += __shfl_xor_sync(0xffffffffu, ps, 2);
-        l = l * corr + ps;
-        m = m_new;
-        // P as the A fragment: columns {2t, 2t + 1} are keys n0 + 2t + {0, 1},
-        // {2t + 8, 2t + 9} keys n0 + 8 + 2t + {0, 1}.
-        const u32 pa0 = (u32)f32_to_bf16(p[0]) | ((u32)f32_to_bf16(p[1]) << 16);
-        const u32 pa2 = (u32)f32_to_bf16(p[2]) | ((u32)f32_to_bf16(p[3]) << 16);
 #pragma unroll
         for (int j = 0; j < VJ; j++)
 #pragma unroll
-            for (int w = 0; w < 4; w++) {
-                u32 b[2];
+            for (int pp = 0; pp < 2; pp++) {
+                // V^T's A fragment: dims of words 2pp (a0, a2) and 2pp + 1
+                // (a1, a3), keys 0-7 (a0, a1) and 8-15 (a2, a3).
+                u32 a[4];
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const uint4 v4 = vw[h][j];
-                    const u32 raw = w == 0 ? v4.x : w == 1 ? v4.y : w == 2 ? v4.z : v4.w;
-                    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(b[h]) : "r"(raw));
+                for (int i = 0; i < 4; i++) {
+                    const uint4 v4 = vw[i >> 1][j];
+                    const int wi = 2 * pp + (i & 1);
+                    const u32 raw = wi == 0 ? v4.x : wi == 1 ? v4.y : wi == 2 ? v4.z : v4.w;
+                    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(a[i]) : "r"(raw));
                 }
-                float* acc = o[j][w];
-                acc[0] *= corr;
-                acc[1] *= corr;
-                mma_bf16_16816(acc, pa0, 0u, pa2, 0u, b[0], b[1]);
+                float* acc = o[j][pp];
+                acc[0] *= corr[0];
+                acc[1] *= corr[1];
+                acc[2] *= corr[0];
+                acc[3] *= corr[1];
+                mma_bf16_16816(acc, a[0], a[1], a[2], a[3], pb[0], pb[1]);
             }
     }
-    if (t == 0 && g < G) {
-        sm_m[warp][g] = m;
-        sm_l[warp][g] = l;
+    if (g == 0) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            sm_m[warp][2 * t + e] = m[e];
+            sm_l[warp][2 * t + e] = l[e];
+        }
     }
 #pragma unroll
     for (int j = 0; j < VJ; j++)
 #pragma unroll
-        for (int w = 0; w < 4; w++) {
-            sm_acc[warp][g][t * DL + 8 * j + 2 * w] = o[j][w][0];
-            sm_acc[warp][g][t * DL + 8 * j + 2 * w + 1] = o[j][w][1];
-        }
+        for (int pp = 0; pp < 2; pp++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const int d = (g >> 1) * DL + 8 * j + 2 * (2 * pp + r) + (g & 1);
+                sm_acc[warp][2 * t][d] = o[j][pp][2 * r];
+                sm_acc[warp][2 * t + 1][d] = o[j][pp][2 * r + 1];
+            }
     __syncthreads();
     decode_merge_warps<HD, G, WARPS>(sm_m, sm_l, sm_acc, group, q_row, kvh, split, n_heads, n_splits, out, part_acc,
                                      part_ml);

@@ -428,10 +428,8 @@ mod tests {
         assert_eq!(
             names,
             [
-                "attention_decode_hd64_g4",
-                "attention_decode_hd64_g8",
-                "attention_decode_hd128_g4",
-                "attention_decode_hd128_g8",
+                "attention_decode_mma_hd64",
+                "attention_decode_mma_hd128",
                 "attention_prefill_hd64",
                 "attention_prefill_hd128",
                 "attention_combine"

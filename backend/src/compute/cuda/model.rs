@@ -27,6 +27,10 @@ type Bf16 = u16;
 
 use super::plan::{KEY_TILE, MetaPtrs, PREFILL_ROWS, SplitPolicy, StepPlan};
 
+/// Query heads per KV head the decode kernel takes (the N of its MMAs,
+/// `attention_decode_mma` in attention.cu).
+const DECODE_MAX_GROUP: usize = 8;
+
 /// Dynamic shared memory of an attention block (the kernel's ATTN_SMEM).
 fn attention_smem(head_dim: usize, rows: usize) -> u32 {
     (rows * head_dim * 4
@@ -158,10 +162,11 @@ impl CudaLlama {
                 config.head_dim
             )));
         }
-        if config.n_heads / config.n_kv_heads > PREFILL_ROWS {
+        let group = config.n_heads / config.n_kv_heads;
+        if group > DECODE_MAX_GROUP.min(PREFILL_ROWS) {
             return Err(GpuError::Other(format!(
-                "{} query heads per KV head is more than the attention kernels take ({PREFILL_ROWS})",
-                config.n_heads / config.n_kv_heads
+                "{group} query heads per KV head is more than the attention kernels take ({})",
+                DECODE_MAX_GROUP.min(PREFILL_ROWS)
             )));
         }
         Ok(())
@@ -622,15 +627,8 @@ pub(crate) fn launch_attention(
     let decode_items = plan.decode_items.len() / 4;
     if decode_items > 0 {
         let splits = plan.decode_splits;
-        let group = c.n_heads / c.n_kv_heads;
-        let g = if group <= 4 { 4 } else { 8 };
-        let name = if group <= 8 && std::env::var("SLUICE_ATTN_MMA").as_deref() != Ok("0") {
-            format!("attention_decode_mma_hd{hd}")
-        } else {
-            format!("attention_decode_hd{hd}_g{g}")
-        };
         launch(
-            name,
+            format!("attention_decode_mma_hd{hd}"),
             meta.decode_items,
             decode_items,
             splits,
@@ -956,6 +954,15 @@ mod tests {
 
     /// Batch-invariant steps never leave the GEMV's sums (the GEMM in its
     /// order past 16 tokens, at any size); fast ones pick by size.
+    #[test]
+    fn groups_past_the_decode_kernel_are_refused() {
+        let mut c = LlamaConfig::preset("llama-3.1-8b").unwrap();
+        assert!(CudaLlama::check_shape(&c).is_ok());
+        c.n_kv_heads = 2; // 16 query heads per KV head
+        let e = CudaLlama::check_shape(&c).unwrap_err().to_string();
+        assert!(e.contains("16 query heads per KV head"), "{e}");
+    }
+
     #[test]
     fn fp4_paths_by_numerics_and_size() {
         use Fp4Path::*;
