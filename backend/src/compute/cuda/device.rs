@@ -14,8 +14,8 @@ use std::sync::Arc;
 use cudarc::cublas::{CudaBlas, sys as blas};
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError,
-    LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 
 use super::nvrtc::{self, CompileError, KERNEL_FILES};
@@ -199,6 +199,28 @@ impl Gpu {
         Ok(self.stream.synchronize()?)
     }
 
+    /// The kernels `record` enqueues on the stream, captured into a graph
+    /// (not run). A capture broken by another thread is reported as the
+    /// driver's error (`capture_broken_by_another_thread`), whatever the
+    /// call that met it said (cuBLAS reports an execution failure).
+    pub fn capture(
+        &self,
+        record: impl FnOnce() -> Result<(), GpuError>,
+    ) -> Result<CudaGraph, GpuError> {
+        self.stream.begin_capture(
+            cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        )?;
+        let recorded = record();
+        let graph = self
+            .stream
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        match (recorded, graph) {
+            (_, Err(e)) if capture_broken_by_another_thread(e) => Err(GpuError::Driver(e)),
+            (Err(e), _) => Err(e),
+            (Ok(()), graph) => graph?.ok_or_else(|| GpuError::Other("empty CUDA graph".into())),
+        }
+    }
+
     /// Launches kernel `name` with `args` (each pushed by reference).
     pub fn launch(
         &self,
@@ -366,6 +388,25 @@ impl Gpu {
         let (p, _guard) = s.device_ptr(&self.stream);
         p + (offset * std::mem::size_of::<T>()) as u64
     }
+}
+
+/// Whether a capture failed because it was invalidated: with several engines
+/// on one GPU (in-process workers, a prefill and a decode engine), another
+/// thread's CUDA call can break this thread's capture even in thread-local
+/// mode. Seen on the H200 in 4 of 22 runs of `backend/tests/cuda.rs`, whose
+/// tests run engines in parallel (never in 5 runs one test at a time), as a
+/// step failing with CUDA_ERROR_STREAM_CAPTURE_INVALIDATED or cuBLAS's
+/// EXECUTION_FAILED; with the fallback, 14 of 14 runs passed. Nothing
+/// captured has run, so the step can run without a graph.
+pub fn capture_broken_by_another_thread(e: cudarc::driver::DriverError) -> bool {
+    use cudarc::driver::sys::CUresult::*;
+    matches!(
+        e.0,
+        CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+            | CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+            | CUDA_ERROR_STREAM_CAPTURE_UNJOINED
+            | CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
+    )
 }
 
 /// A value a kernel takes: pushed onto a launch by reference.

@@ -510,15 +510,7 @@ pub fn fp4_sweep(
                     }
                     Ok(())
                 };
-                gpu.stream.begin_capture(
-                    cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-                )?;
-                let recorded = launch_all();
-                let graph = gpu
-                    .stream
-                    .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))?;
-                recorded?;
-                let graph = graph.ok_or_else(|| GpuError::Other("empty CUDA graph".into()))?;
+                let graph = gpu.capture(launch_all)?;
                 let copies = all.len() as f64;
                 let t = median_secs(gpu, &mut || Ok(graph.launch()?))? / copies;
                 let direct = median_secs(gpu, &mut || launch_all())? / copies;

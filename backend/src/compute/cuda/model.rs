@@ -13,7 +13,9 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaGraph, CudaSlice};
 
-use super::device::{DevPtr, GEMM_ROW_TILE, Gpu, GpuError, elementwise, grid};
+use super::device::{
+    DevPtr, GEMM_ROW_TILE, Gpu, GpuError, capture_broken_by_another_thread, elementwise, grid,
+};
 use super::fp4::{
     FP4_COLS_MULTIPLE, FP4_GEMM_MAX_TOKENS, FP4_GEMV_MAX_TOKENS, Fp4Weights, SumOrder,
 };
@@ -416,7 +418,7 @@ impl CudaLlama {
         let mut replayed = false;
         if ws.use_graphs && plan.prefill_items.is_empty() {
             if !ws.graphs.contains_key(&key) {
-                match self.capture(kv, ws, &plan, &meta, output) {
+                match gpu.capture(|| self.record(kv, ws, &plan, &meta, output)) {
                     Ok(graph) => {
                         ws.graphs.insert(key, Graph(graph));
                     }
@@ -462,32 +464,6 @@ impl CudaLlama {
             }
         }
         Ok(results)
-    }
-
-    /// A step's kernels captured into a graph (not run).
-    fn capture(
-        &self,
-        kv: &CudaKvCache,
-        ws: &Workspace,
-        plan: &StepPlan,
-        meta: &MetaPtrs,
-        output: StepOutput,
-    ) -> Result<cudarc::driver::CudaGraph, GpuError> {
-        let gpu = &*self.gpu;
-        gpu.stream.begin_capture(
-            cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-        )?;
-        let recorded = self.record(kv, ws, plan, meta, output);
-        let graph = gpu
-            .stream
-            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
-        match (recorded, graph) {
-            // A broken capture fails the calls made after the break (cuBLAS
-            // reports that as an execution failure): the break is the cause.
-            (_, Err(e)) if capture_broken_by_another_thread(e) => Err(GpuError::Driver(e)),
-            (Err(e), _) => Err(e),
-            (Ok(()), graph) => graph?.ok_or_else(|| GpuError::Other("empty CUDA graph".into())),
-        }
     }
 
     /// Enqueues a step's kernels on the stream: no allocation, no copy, no
@@ -834,25 +810,6 @@ pub struct Workspace {
     dequant: CudaSlice<Bf16>,
     /// Partial sums of the FP4 GEMM's column splits.
     fp4_part: CudaSlice<f32>,
-}
-
-/// Whether a capture failed because it was invalidated: with several engines
-/// on one GPU (in-process workers, a prefill and a decode engine), another
-/// thread's CUDA call can break this thread's capture even in thread-local
-/// mode. Seen on the H200 in 4 of 22 runs of `backend/tests/cuda.rs`, whose
-/// tests run engines in parallel (never in 5 runs one test at a time), as a
-/// step failing with CUDA_ERROR_STREAM_CAPTURE_INVALIDATED or cuBLAS's
-/// EXECUTION_FAILED; with the fallback, 14 of 14 runs passed. Nothing
-/// captured has run, so the step can run without a graph.
-fn capture_broken_by_another_thread(e: cudarc::driver::DriverError) -> bool {
-    use cudarc::driver::sys::CUresult::*;
-    matches!(
-        e.0,
-        CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
-            | CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
-            | CUDA_ERROR_STREAM_CAPTURE_UNJOINED
-            | CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
-    )
 }
 
 /// How a step multiplies FP4 weights (`fp4_path`).
