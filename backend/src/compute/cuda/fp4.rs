@@ -179,7 +179,13 @@ impl Fp4Weights {
         cols: usize,
         seed: u64,
     ) -> Result<Fp4Weights, GpuError> {
-        if !cols.is_multiple_of(FP4_COLS_MULTIPLE) || !(rows * cols).is_multiple_of(8) {
+        let file_order = blockscaled_path(gpu);
+        let multiple = if file_order {
+            BLOCKSCALED_COLS_MULTIPLE
+        } else {
+            FP4_COLS_MULTIPLE
+        };
+        if !cols.is_multiple_of(multiple) || !(rows * cols).is_multiple_of(8) {
             return Err(GpuError::Other(format!(
                 "a synthetic FP4 matrix of {rows} x {cols}"
             )));
@@ -211,7 +217,7 @@ impl Fp4Weights {
             row_scale: gpu.upload(&vec![tensor_scale; rows])?,
             shift: 0,
             // Random codes: any order is the same distribution.
-            file_order: blockscaled_path(gpu),
+            file_order,
         })
     }
 
