@@ -24,7 +24,11 @@
 // them to the step's mbarrier; two stages, so the next step's loads run
 // while the tensor cores work on this one. The epilogue reads the
 // accumulator lane by lane (tcgen05.ld 32x32b) and applies the tensor scales.
-// cols a multiple of 256.
+// cols a multiple of 256. The descriptors, operand order and barriers were
+// checked against the PTX ISA's tables; the scale factors' place in tensor
+// memory (row r in lane r % 32, column r / 32) follows CUTLASS, not PTX
+// text: if a Blackwell run ever gets rows 32-127 or tokens 32-63 wrong, look
+// there first.
 
 #define TC05_ROWS 128
 #define TC05_TOKENS 64
