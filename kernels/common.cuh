@@ -67,6 +67,25 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, u32 a0, u32 a1, u32 a2,
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// A shared-memory pointer as the 32-bit address PTX takes.
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u64 a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
+}
+
+// Global -> shared, 16 (L2 only), 8 or 4 bytes; `bytes` 0 writes zeros and
+// reads nothing (fp4.cu's tiled GEMM, fp4_blackwell.cu).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
+}
+
 // splitmix64: the synthetic weights' generator (the host has the same, in
 // compute::cuda::synthetic, to check against).
 __device__ __forceinline__ u64 splitmix64(u64 x) {

@@ -294,24 +294,6 @@ extern "C" __global__ void __launch_bounds__(256) fp4_gemv_nv_n16(FP4_ARGS) { fp
 // fp4_splitk_sum adds them in split order. cols a multiple of 128 (whole
 // chunks; the scales' rows then stay 4- and 8-byte aligned).
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u64 a;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
-    return (u32)a;
-}
-
-// Global -> shared, 16 (L2 only), 8 or 4 bytes; `bytes` 0 writes zeros and
-// reads nothing.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async8(void* dst, const void* src, int bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, int bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
-}
-
 #define GEMM_TOKENS 64
 #define GEMM_STAGES 4
 // A token's row of x in shared memory: 16 units of 16 bytes (8 columns) and 2
@@ -452,6 +434,19 @@ extern "C" __global__ void fp4_splitk_sum(const float* __restrict__ part, int sp
     }
 }
 
+// A scale byte's value: E4M3 (sign, 4 exponent bits of bias 7, 3 mantissa
+// bits; 0x7f and 0xff NaN) and E8M0 (2^(e - 127); 0 is 2^-127, 255 NaN), as
+// compute/fp4.rs decodes them.
+__device__ __forceinline__ float e4m3_f32(u32 c) {
+    const u32 e = (c >> 3) & 0xfu, m = c & 7u;
+    float v = e == 0u ? (float)m * 0.001953125f : __uint_as_float(((e + 120u) << 23) | (m << 20));
+    if (e == 0xfu && m == 7u) v = __int_as_float(0x7fc00000);
+    return (c & 0x80u) ? -v : v;
+}
+__device__ __forceinline__ float e8m0_f32(u32 c) {
+    return c == 255u ? __int_as_float(0x7fc00000) : c == 0u ? __int_as_float(0x00400000) : __uint_as_float(c << 23);
+}
+
 // The weights as BF16 (for the GEMMs of many tokens): out[r, c] =
 // E2M1 * scale * row_scale[r], with the scales' true values (no 2^126 trick).
 // A thread takes 32 weights (16 bytes of codes, one row's block of 32):
@@ -467,16 +462,7 @@ extern "C" __global__ void fp4_to_bf16(const unsigned char* __restrict__ codes, 
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const u32 sc = nv ? scales[e0 / 16 + h] : scales[e0 / 32];
-            float v;
-            if (nv) {
-                const u32 ex = (sc >> 3) & 0xfu, m = sc & 7u;
-                v = ex == 0u ? (float)m * 0.001953125f : __uint_as_float(((ex + 120u) << 23) | (m << 20));
-                if (ex == 0xfu && m == 7u) v = __int_as_float(0x7fc00000);
-                if (sc & 0x80u) v = -v;
-            } else {
-                v = sc == 255u ? __int_as_float(0x7fc00000) : (sc == 0u ? __int_as_float(0x00400000) : __uint_as_float(sc << 23));
-            }
-            s[h] = v * rs;
+            s[h] = (nv ? e4m3_f32(sc) : e8m0_f32(sc)) * rs;
         }
         const uint4 w = *(const uint4*)(codes + e0 / 2);
         u32 o[16];
@@ -563,9 +549,7 @@ __device__ __forceinline__ void fp4_quantize_act(const bf16* __restrict__ x, int
                 : "f"(0.0f), "f"(amax16(a, b) / 6.0f / tensor));
             code &= 0xffu;
             scales[(u64)t * (cols / 16) + i] = (unsigned char)code;
-            const u32 e = (code >> 3) & 0xfu, mant = code & 7u;
-            const float s = e == 0u ? (float)mant * 0.001953125f : __uint_as_float(((e + 120u) << 23) | (mant << 20));
-            out[i] = e2m1_codes16(a, b, s * tensor);
+            out[i] = e2m1_codes16(a, b, e4m3_f32(code) * tensor);
         }
     } else {
         if (threadIdx.x == 0) act_scale[t] = 1.0f;
@@ -577,7 +561,7 @@ __device__ __forceinline__ void fp4_quantize_act(const bf16* __restrict__ x, int
             const int e = (int)((__float_as_uint(m) >> 23) & 0xffu);
             const int code = e == 0 ? 0 : min(max(e - 2, 0), 254);
             scales[(u64)t * (cols / 32) + i] = (unsigned char)code;
-            const float step = code == 0 ? __uint_as_float(0x00400000u) : __uint_as_float((u32)code << 23);
+            const float step = e8m0_f32((u32)code);
             out[2 * i] = e2m1_codes16(a, b, m > 0.0f ? step : 0.0f);
             out[2 * i + 1] = e2m1_codes16(c, d, m > 0.0f ? step : 0.0f);
         }

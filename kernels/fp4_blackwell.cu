@@ -39,24 +39,11 @@
 #define TC05_STAGE_BYTES (TC05_A_BYTES + TC05_B_BYTES + 8 * TC05_ATOM)
 #define TC05_TMEM_COLS 128                       // 64 accumulator + 2 stages x 32 scale columns
 
-__device__ __forceinline__ u32 tc05_smem(const void* p) {
-    u64 a;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
-    return (u32)a;
-}
-
-__device__ __forceinline__ void tc05_cp_async(void* dst, const void* src, int bytes, int size) {
-    if (size == 16)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(tc05_smem(dst)), "l"(src), "r"(bytes));
-    else
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(tc05_smem(dst)), "l"(src), "r"(bytes));
-}
-
 // A shared-memory matrix descriptor (sm_100): start address, leading
 // (K-direction) and stride (row-group) byte offsets, all >> 4; bits 46-47 =
 // 1 (the Blackwell descriptor version); layout 0 = no swizzle.
 __device__ __forceinline__ u64 tc05_desc(const void* p, u32 lbo, u32 sbo) {
-    return (u64)((tc05_smem(p) >> 4) & 0x3fffu) | ((u64)((lbo >> 4) & 0x3fffu) << 16) |
+    return (u64)((smem_u32(p) >> 4) & 0x3fffu) | ((u64)((lbo >> 4) & 0x3fffu) << 16) |
            ((u64)((sbo >> 4) & 0x3fffu) << 32) | (1ull << 46);
 }
 
@@ -81,6 +68,22 @@ __device__ __forceinline__ void tc05_wait(u32 mbar, u32 parity) {
             : "memory");
 }
 
+// ROWS rows of codes (first .. first + ROWS - 1, zeros past `limit`), 128
+// bytes each from byte `kbyte` of the row, in the K-major layout without
+// swizzle: 16-byte chunk c of row r at c * LBO + (r / 8) * 128 + (r % 8) * 16,
+// LBO = ROWS * 16 (the whole column of core matrices).
+template <int ROWS>
+__device__ __forceinline__ void tc05_load_codes(unsigned char* dst, const unsigned char* __restrict__ src, int first,
+                                                int limit, u64 row_bytes, u64 kbyte) {
+#pragma unroll
+    for (int i = threadIdx.x; i < ROWS * 8; i += 128) {
+        const int r = i >> 3, c = i & 7;
+        const bool in = first + r < limit;
+        cp_async16(dst + c * ROWS * 16 + (r >> 3) * 128 + (r & 7) * 16,
+                   in ? src + (u64)(first + r) * row_bytes + kbyte + c * 16 : src, in ? 16 : 0);
+    }
+}
+
 // One K step into stage `st`: the weights' 128 rows and the tokens' 64 rows
 // of codes, and their scale atoms (NV: 4, one per MMA of 64 columns; MX: 2,
 // one per two MMAs).
@@ -98,30 +101,18 @@ __device__ __forceinline__ void tc05_load(unsigned char* stage, const unsigned c
     unsigned char* sfa = b + TC05_B_BYTES;
     unsigned char* sfb = sfa + 4 * TC05_ATOM;
     const u64 kbyte = (u64)step * 128;
-#pragma unroll
-    for (int i = tid; i < TC05_ROWS * 8; i += 128) {
-        const int r = i >> 3, c = i & 7;
-        const bool in = row0 + r < rows;
-        tc05_cp_async(a + c * TC05_A_BYTES / 8 + (r >> 3) * 128 + (r & 7) * 16,
-                      in ? wcodes + (u64)(row0 + r) * row_bytes + kbyte + c * 16 : wcodes, in ? 16 : 0, 16);
-    }
-#pragma unroll
-    for (int i = tid; i < TC05_TOKENS * 8; i += 128) {
-        const int r = i >> 3, c = i & 7;
-        const bool in = tok0 + r < n;
-        tc05_cp_async(b + c * TC05_B_BYTES / 8 + (r >> 3) * 128 + (r & 7) * 16,
-                      in ? xcodes + (u64)(tok0 + r) * row_bytes + kbyte + c * 16 : xcodes, in ? 16 : 0, 16);
-    }
+    tc05_load_codes<TC05_ROWS>(a, wcodes, row0, rows, row_bytes, kbyte);
+    tc05_load_codes<TC05_TOKENS>(b, xcodes, tok0, n, row_bytes, kbyte);
     // Thread t takes row t of every atom: 4 scale bytes (NV: 64 columns; MX: 128).
     const u64 s0 = (u64)step * (TC05_KSTEP / BLOCK);
     const int at = (tid & 31) * 16 + (tid >> 5) * 4;
     const bool win = row0 + tid < rows, xin = tid < TC05_TOKENS && tok0 + tid < n;
 #pragma unroll
     for (int q = 0; q < ATOMS; q++) {
-        tc05_cp_async(sfa + q * TC05_ATOM + at, win ? wscales + (u64)(row0 + tid) * row_scales + s0 + 4 * q : wscales,
-                      win ? 4 : 0, 4);
-        tc05_cp_async(sfb + q * TC05_ATOM + at, xin ? xscales + (u64)(tok0 + tid) * row_scales + s0 + 4 * q : xscales,
-                      xin ? 4 : 0, 4);
+        cp_async4(sfa + q * TC05_ATOM + at, win ? wscales + (u64)(row0 + tid) * row_scales + s0 + 4 * q : wscales,
+                  win ? 4 : 0);
+        cp_async4(sfb + q * TC05_ATOM + at, xin ? xscales + (u64)(tok0 + tid) * row_scales + s0 + 4 * q : xscales,
+                  xin ? 4 : 0);
     }
 }
 
@@ -142,13 +133,13 @@ __device__ __forceinline__ void fp4_tc05_gemm(const unsigned char* __restrict__ 
     const int steps = cols / TC05_KSTEP;
 
     if (warp == 0) {
-        asm volatile("tcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 [%0], %1;" ::"r"(tc05_smem(&tmem_base)),
+        asm volatile("tcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 [%0], %1;" ::"r"(smem_u32(&tmem_base)),
                      "r"(TC05_TMEM_COLS));
         asm volatile("tcgen05.relinquish_alloc_permit.cta_group::1.sync.aligned;");
     }
     if (tid == 0) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(tc05_smem(&mbar[0])));
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(tc05_smem(&mbar[1])));
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&mbar[0])));
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&mbar[1])));
         asm volatile("fence.mbarrier_init.release.cluster;");
     }
     asm volatile("tcgen05.fence::before_thread_sync;");
@@ -162,7 +153,7 @@ __device__ __forceinline__ void fp4_tc05_gemm(const unsigned char* __restrict__ 
         const int st = it & 1;
         if (it + 1 < steps) {
             // The other stage was last read by step it - 1's MMAs and copies.
-            if (it >= 1) tc05_wait(tc05_smem(&mbar[st ^ 1]), ((it - 1) >> 1) & 1);
+            if (it >= 1) tc05_wait(smem_u32(&mbar[st ^ 1]), ((it - 1) >> 1) & 1);
             tc05_load<NV>(smem + (st ^ 1) * TC05_STAGE_BYTES, wcodes, wscales, xcodes, xscales, row0, tok0, rows, n,
                           cols, it + 1);
         }
@@ -210,10 +201,10 @@ __device__ __forceinline__ void fp4_tc05_gemm(const unsigned char* __restrict__ 
                         "l"(ad), "l"(bd), "r"(id), "r"(sfa_at), "r"(sfb_at), "r"(acc));
             }
             asm volatile("tcgen05.commit.cta_group::1.mbarrier::arrive::one.shared::cluster.b64 [%0];" ::"r"(
-                tc05_smem(&mbar[st])));
+                smem_u32(&mbar[st])));
         }
     }
-    tc05_wait(tc05_smem(&mbar[(steps - 1) & 1]), ((steps - 1) >> 1) & 1);
+    tc05_wait(smem_u32(&mbar[(steps - 1) & 1]), ((steps - 1) >> 1) & 1);
     asm volatile("tcgen05.fence::after_thread_sync;");
 
     // Warp w reads lanes 32w .. 32w + 31 (rows), 16 token columns at a time.

@@ -57,7 +57,8 @@ impl ActivationLayout {
 /// as `ActivationLayout::new(format, n, cols)` says: MXFP4 with E8M0 scales a
 /// block of 32 (tensor scale 1), or NVFP4 with E4M3 scales a block of 16 under
 /// a tensor scale per token (amax / (6 x 448)); the CPU quantizer's rules
-/// (`compute::fp4::Fp4Matrix::quantize` of the token's row alone).
+/// (`compute::fp4::Fp4Matrix::quantize` of the token's row alone). Returns
+/// the layout.
 pub fn quantize_activations(
     gpu: &Gpu,
     format: Fp4Format,
@@ -65,16 +66,16 @@ pub fn quantize_activations(
     n: usize,
     cols: usize,
     scratch: DevPtr,
-) -> Result<(), GpuError> {
+) -> Result<ActivationLayout, GpuError> {
+    let at = ActivationLayout::new(format, n, cols);
     if n == 0 {
-        return Ok(());
+        return Ok(at);
     }
     if !cols.is_multiple_of(32) {
         return Err(GpuError::Other(format!(
             "activations of {cols} columns are not whole blocks of 32"
         )));
     }
-    let at = ActivationLayout::new(format, n, cols);
     let name = match format {
         Fp4Format::Mxfp4 => "fp4_quantize_act_mx",
         Fp4Format::Nvfp4 => "fp4_quantize_act_nv",
@@ -92,7 +93,8 @@ pub fn quantize_activations(
             &(scratch + at.scales as u64),
             &scratch,
         ],
-    )
+    )?;
+    Ok(at)
 }
 
 impl Fp4Weights {
@@ -122,8 +124,7 @@ impl Fp4Weights {
         if n == 0 {
             return Ok(());
         }
-        quantize_activations(gpu, self.format, x, n, self.cols, scratch)?;
-        let at = ActivationLayout::new(self.format, n, self.cols);
+        let at = quantize_activations(gpu, self.format, x, n, self.cols, scratch)?;
         let name = match self.format {
             Fp4Format::Mxfp4 => "fp4_tc05_gemm_mx",
             Fp4Format::Nvfp4 => "fp4_tc05_gemm_nv",
