@@ -203,8 +203,8 @@ __device__ __forceinline__ void decode_merge_warps(const float (*sm_m)[G], const
     }
 }
 
-// Decode on the tensor cores (mma.sync m16n8k16, BF16 in, f32 out): the
-// one query token per work item; the keys of a split are the block's, its
+// Decode on the tensor cores (mma.sync m16n8k16, BF16 in, f32 out): one
+// query token per work item; the keys of a split are the block's, its
 // warps' results merged at the end (decode_merge_warps), for groups of at
 // most 8 query heads. Each warp takes 16 keys at a time, with keys and
 // dims as the MMA's M and heads as its N (8), so that no row of it is idle.

@@ -164,11 +164,13 @@ impl CudaLlama {
                 config.head_dim
             )));
         }
-        let group = config.n_heads / config.n_kv_heads;
-        if group > DECODE_MAX_GROUP.min(PREFILL_ROWS) {
+        let (group, most) = (
+            config.n_heads / config.n_kv_heads,
+            DECODE_MAX_GROUP.min(PREFILL_ROWS),
+        );
+        if group > most {
             return Err(GpuError::Other(format!(
-                "{group} query heads per KV head is more than the attention kernels take ({})",
-                DECODE_MAX_GROUP.min(PREFILL_ROWS)
+                "{group} query heads per KV head is more than the attention kernels take ({most})"
             )));
         }
         Ok(())
