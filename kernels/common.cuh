@@ -86,6 +86,45 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src, int bytes)
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
 }
 
+// The same, to a shared address (smem_u32), and shared loads from one.
+__device__ __forceinline__ void cp_async16_shared(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async8_shared(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async4_shared(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ uint4 lds128(u32 a) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+    return v;
+}
+__device__ __forceinline__ u32 lds_u16(u32 a) {
+    unsigned short v;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(a));
+    return v;
+}
+__device__ __forceinline__ u32 lds_u8(u32 a) {
+    u32 v;
+    asm volatile("ld.shared.u8 %0, [%1];" : "=r"(v) : "r"(a));
+    return v;
+}
+
+// v, hidden from the compiler's rematerialization: a value derived from
+// threadIdx (an address) is otherwise recomputed in every loop iteration
+// that uses it rather than kept in a register.
+__device__ __forceinline__ u32 opaque(u32 v) {
+    asm volatile("" : "+r"(v));
+    return v;
+}
+template <class T>
+__device__ __forceinline__ const T* opaque(const T* p) {
+    asm volatile("" : "+l"(p));
+    return p;
+}
+
 // splitmix64: the synthetic weights' generator (the host has the same, in
 // compute::cuda::synthetic, to check against).
 __device__ __forceinline__ u64 splitmix64(u64 x) {

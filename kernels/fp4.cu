@@ -79,16 +79,18 @@ __device__ __forceinline__ u32 e4m3_bf16(u32 c) {
     return (sign | __float_as_uint(v)) >> 16;
 }
 
-// Every E4M3 code's e4m3_bf16, in shared memory: an NVFP4 kernel's block
-// fills it first (fp4_fill_e4m3_table), and a lane's four block scales a
-// chunk are then four shared loads instead of ~30 instructions.
-__shared__ unsigned short e4m3_table[256];
+// Every scale code's bf16x2 word (the scale in both halves: e4m3_bf16 for
+// NV, e8m0_bf16 with the call's shift for MX), in shared memory: a kernel's
+// block fills it first (fp4_fill_scale_table), and a lane's block scales a
+// chunk are then two or four shared loads instead of ~20-30 instructions.
+__shared__ u32 fp4_scale_table[256];
 template <bool NV>
-__device__ __forceinline__ void fp4_fill_e4m3_table() {
-    if (NV) {
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) e4m3_table[i] = (unsigned short)e4m3_bf16(i);
-        __syncthreads();
+__device__ __forceinline__ void fp4_fill_scale_table(int shift) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        const u32 v = NV ? e4m3_bf16(i) : e8m0_bf16(i, shift);
+        fp4_scale_table[i] = v | (v << 16);
     }
+    __syncthreads();
 }
 
 __device__ __forceinline__ u32 word(uint4 v, int q) { return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w; }
@@ -118,21 +120,15 @@ __device__ __forceinline__ void fp4_load(const unsigned char* __restrict__ codes
 // A lane's block scales as bf16x2 words {rows g: columns 0-15, 16-31; rows
 // g + 8: the same} (NV has one per 16 columns; MX one per 32).
 template <bool NV>
-__device__ __forceinline__ void fp4_scale_words(u32 (&s)[4], u32 sa, u32 sb, int shift) {
+__device__ __forceinline__ void fp4_scale_words(u32 (&s)[4], u32 sa, u32 sb) {
     if (NV) {
-        u32 v = e4m3_table[sa & 0xffu];
-        s[0] = v | (v << 16);
-        v = e4m3_table[sa >> 8];
-        s[1] = v | (v << 16);
-        v = e4m3_table[sb & 0xffu];
-        s[2] = v | (v << 16);
-        v = e4m3_table[sb >> 8];
-        s[3] = v | (v << 16);
+        s[0] = fp4_scale_table[sa & 0xffu];
+        s[1] = fp4_scale_table[sa >> 8];
+        s[2] = fp4_scale_table[sb & 0xffu];
+        s[3] = fp4_scale_table[sb >> 8];
     } else {
-        u32 v = e8m0_bf16(sa, shift);
-        s[0] = s[1] = v | (v << 16);
-        v = e8m0_bf16(sb, shift);
-        s[2] = s[3] = v | (v << 16);
+        s[0] = s[1] = fp4_scale_table[sa];
+        s[2] = s[3] = fp4_scale_table[sb];
     }
 }
 
@@ -156,9 +152,9 @@ __device__ __forceinline__ void fp4_mma(float* c, const u32 (&f)[4], uint4 xq, i
 // A chunk's A fragments for all 8 steps, dequantized once for every token
 // tile (8 x 4 registers).
 template <bool NV>
-__device__ __forceinline__ void fp4_dequant(u32 (&a)[8][4], uint4 wa, uint4 wb, u32 sa, u32 sb, int shift) {
+__device__ __forceinline__ void fp4_dequant(u32 (&a)[8][4], uint4 wa, uint4 wb, u32 sa, u32 sb) {
     u32 s[4];
-    fp4_scale_words<NV>(s, sa, sb, shift);
+    fp4_scale_words<NV>(s, sa, sb);
 #pragma unroll
     for (int q = 0; q < 4; q++) {
         fp4_frag<0>(a[2 * q], wa, wb, s, q);
@@ -188,93 +184,220 @@ __device__ __forceinline__ void fp4_store(float* __restrict__ y, const float* __
     }
 }
 
-template <bool NV, int NT, int UNROLL, int WARPS>
+// The GEMV's pipeline: each warp copies its chunks into shared memory with
+// cp.async GEMV_STAGES - 1 chunks ahead of the one it multiplies, so a warp
+// keeps ~3 KB of weights in the air without registers for them (the codes
+// used to come straight into registers, four chunks a warp at a time, and a
+// warp had nothing in flight while it multiplied). A warp's shared memory:
+// GEMV_STAGES stages of codes, 1 KB each (rows g, 16 bytes a lane at 16
+// lane, and rows g + 8 at 512 + 16 lane: conflict-free 16-byte reads), then
+// as many of scales, 128 bytes each (the tile's 16 rows, 8 bytes a row, of
+// which MX uses 4).
+#define GEMV_STAGES 4
+#define GEMV_STAGE_BYTES (1024 + 128)
+#define GEMV_WARPS 8
+
+template <bool NV, int NT>
 __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
                                          const float* __restrict__ row_scale, const bf16* __restrict__ x,
                                          float* __restrict__ y, int n, int rows, int cols, float out_pow2, int shift,
                                          int accumulate) {
-    __shared__ float partial[WARPS][NT][32][4];
-    fp4_fill_e4m3_table<NV>();
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ float partial[2][GEMV_WARPS][NT][32][4];
+    fp4_fill_scale_table<NV>(shift);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int row0 = blockIdx.y * 16, ra = row0 + g, rb = row0 + g + 8;
     const int tok0 = blockIdx.x * NT * 8;
     x += (u64)tok0 * cols;
     y += (u64)tok0 * rows;
     n -= tok0;
-    const int chunks = (cols + 127) >> 7;
-    float acc[NT][4];
-#pragma unroll
-    for (int i = 0; i < NT; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-    for (int c0 = warp; c0 < chunks; c0 += WARPS * UNROLL) {
-        uint4 wa[UNROLL], wb[UNROLL];
-        u32 sa[UNROLL], sb[UNROLL];
-#pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
-            const int c = c0 + WARPS * u;
-            fp4_load<NV>(codes, scales, ra, rb, rows, cols, (c << 7) + 32 * t, c < chunks, wa[u], wb[u], sa[u], sb[u]);
+    const int chunks = (cols + 127) >> 7, tiles = (rows + 15) >> 4;
+    // This warp's chunks of a tile (warp, warp + 8, ...) and this block's
+    // tiles (blockIdx.y, + gridDim.y, ...); item i is chunk i % per_tile of
+    // the block's tile i / per_tile.
+    const int per_tile = warp < chunks ? (chunks - warp + GEMV_WARPS - 1) / GEMV_WARPS : 0;
+    const int my_tiles = (int)blockIdx.y < tiles ? (tiles - (int)blockIdx.y + (int)gridDim.y - 1) / (int)gridDim.y : 0;
+    const int items = per_tile * my_tiles;
+    // Whole chunks keep every row's scales of a chunk 4- (MX) or 8-byte (NV)
+    // aligned for cp.async; other shapes (SmolLM2's 576 columns) load them
+    // when they are used.
+    const bool scales_staged = (cols & 127) == 0;
+    const u64 row_bytes = (u64)cols >> 1;
+    const int per_row_scales = cols / (NV ? 16 : 32), chunk_scales = NV ? 8 : 4;
+    // This lane's places in its warp's stage 0 (shared addresses): its codes
+    // (rows g; g + 8 512 on), the scale row it copies, the scale bytes of row
+    // g it reads (g + 8's 64 on). Stage s is s KB (codes) or 128 s (scales) on.
+    // (Opaque: the compiler would recompute them from threadIdx every chunk.)
+    const u32 warp_smem = smem_u32(smem) + warp * GEMV_STAGES * GEMV_STAGE_BYTES;
+    const u32 codes_at = opaque(warp_smem + 16 * lane);
+    const u32 scales_copy_at = opaque(warp_smem + GEMV_STAGES * 1024 + 8 * (g + 8 * t));
+    const u32 scales_read_at = opaque(warp_smem + GEMV_STAGES * 1024 + 8 * g + (NV ? 2 : 1) * t);
+
+    // The next item to copy: how many are left, how many of its tile, its
+    // stage, its column and where this lane copies from (the codes of row
+    // g, those of g + 8 b_off on; the scales of row g, t = 0, or g + 8, t = 1;
+    // 32-bit offsets: a matrix's codes stay under 4 GB, fp4.rs checks).
+    // A tile wholly inside the matrix (every row there, whole chunks) copies
+    // without the bounds' selects.
+    int to_issue = items, tile_left = 0, next_tile = blockIdx.y, next_k = 0;
+    int issued = 0;
+    u32 next_a = 0, next_s = 0;
+    bool next_ina = false, next_inb = false, next_ins = false, next_whole = false;
+    const u32 b_off = 8 * (u32)row_bytes;
+    const bool copies_scales = scales_staged && t < 2;
+    // Copies the next item into its stage and commits a group (an empty one
+    // past the last item, so that the wait below always counts the same).
+    auto issue = [&]() {
+        if (to_issue > 0) {
+            if (tile_left == 0) {
+                const int ra = next_tile * 16 + g, rb = ra + 8, rs = t == 0 ? ra : rb;
+                next_ina = ra < rows;
+                next_inb = rb < rows;
+                next_ins = copies_scales && rs < rows;
+                next_whole = next_tile * 16 + 16 <= rows && scales_staged;
+                next_a = (u32)ra * (u32)row_bytes + (warp << 6) + 16 * t;
+                next_s = (u32)rs * per_row_scales + warp * chunk_scales;
+                next_k = (warp << 7) + 32 * t;
+                tile_left = per_tile;
+                next_tile += gridDim.y;
+            }
+            const int stage = issued & (GEMV_STAGES - 1);
+            const u32 ca = codes_at + (stage << 10), sc = scales_copy_at + (stage << 7);
+            if (next_whole) {
+                cp_async16_shared(ca, codes + next_a, 16);
+                cp_async16_shared(ca + 512, codes + next_a + b_off, 16);
+                if (copies_scales) {
+                    if (NV)
+                        cp_async8_shared(sc, scales + next_s, 8);
+                    else
+                        cp_async4_shared(sc, scales + next_s, 4);
+                }
+            } else {
+                const bool in = next_k < cols, ina = in && next_ina, inb = in && next_inb, ins = in && next_ins;
+                cp_async16_shared(ca, codes + (ina ? next_a : 0), ina ? 16 : 0);
+                cp_async16_shared(ca + 512, codes + (inb ? next_a + b_off : 0), inb ? 16 : 0);
+                if (copies_scales) {
+                    if (NV)
+                        cp_async8_shared(sc, scales + (ins ? next_s : 0), ins ? 8 : 0);
+                    else
+                        cp_async4_shared(sc, scales + (ins ? next_s : 0), ins ? 4 : 0);
+                }
+            }
+            next_a += GEMV_WARPS * 64;
+            next_s += GEMV_WARPS * chunk_scales;
+            next_k += GEMV_WARPS * 128;
+            issued++;
+            tile_left--;
+            to_issue--;
         }
+        asm volatile("cp.async.commit_group;");
+    };
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
-            const int c = c0 + WARPS * u, k = (c << 7) + 32 * t;
-            if (c >= chunks) break;
+    for (int s = 0; s < GEMV_STAGES - 1; s++) issue();
+
+    // This lane's x: token g (and g + 8), from the warp's first chunk; and
+    // the stage to read next.
+    const bf16* const x_lane = opaque(x + (u64)g * cols + (warp << 7) + 32 * t);
+    bool tok_in[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) tok_in[nt] = nt * 8 + g < n;
+    int item = 0;
+    for (int tl = 0; tl < my_tiles; tl++) {
+        const int ra = ((int)blockIdx.y + tl * (int)gridDim.y) * 16 + g, rb = ra + 8;
+        float acc[NT][4];
+#pragma unroll
+        for (int i = 0; i < NT; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+        const bf16* xp = x_lane;
+        int k = (warp << 7) + 32 * t;
+        for (int j = 0; j < per_tile; j++, item++, k += GEMV_WARPS * 128, xp += GEMV_WARPS * 128) {
             uint4 xv[NT][4];
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
-                const int j = nt * 8 + g;
+                const bool in = tok_in[nt] && k < cols;
 #pragma unroll
                 for (int i = 0; i < 4; i++)
-                    xv[nt][i] = j < n && k < cols ? __ldg((const uint4*)(x + (u64)j * cols + k + 8 * i))
-                                                  : make_uint4(0, 0, 0, 0);
+                    xv[nt][i] = in ? __ldg((const uint4*)(xp + (u64)nt * 8 * cols + 8 * i)) : make_uint4(0, 0, 0, 0);
             }
-            if (NT == 1) {
-                // One tile: each step's fragment made just before its mma
-                // (fewer live registers; 8% faster at 1 token than below).
-                u32 s[4];
-                fp4_scale_words<NV>(s, sa[u], sb[u], shift);
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    u32 f[4];
-                    fp4_frag<0>(f, wa[u], wb[u], s, q);
-                    fp4_mma(acc[0], f, xv[0][q], 0);
-                    fp4_frag<1>(f, wa[u], wb[u], s, q);
-                    fp4_mma(acc[0], f, xv[0][q], 1);
+            u32 sa = 0, sb = 0;
+            if (!scales_staged && k < cols) {
+                if (NV) {
+                    if (ra < rows) sa = __ldg((const unsigned short*)(scales + (u64)ra * per_row_scales + (k >> 4)));
+                    if (rb < rows) sb = __ldg((const unsigned short*)(scales + (u64)rb * per_row_scales + (k >> 4)));
+                } else {
+                    if (ra < rows) sa = __ldg(scales + (u64)ra * per_row_scales + (k >> 5));
+                    if (rb < rows) sb = __ldg(scales + (u64)rb * per_row_scales + (k >> 5));
                 }
-            } else {
-                u32 a[8][4];
-                fp4_dequant<NV>(a, wa[u], wb[u], sa[u], sb[u], shift);
+            }
+            issue();
+            asm volatile("cp.async.wait_group %0;" ::"n"(GEMV_STAGES - 1));
+            __syncwarp();  // the item is in, the scales copied by other lanes too
+            const int stage = item & (GEMV_STAGES - 1);
+            const u32 ca = codes_at + (stage << 10), sr = scales_read_at + (stage << 7);
+            const uint4 wa = lds128(ca), wb = lds128(ca + 512);
+            if (scales_staged) {
+                if (NV) {
+                    sa = lds_u16(sr);
+                    sb = lds_u16(sr + 64);
+                } else {
+                    sa = lds_u8(sr);
+                    sb = lds_u8(sr + 64);
+                }
+            }
+            __syncwarp();  // every lane has read the stage before the next issue refills it
+            // Each step's fragment made just before its mmas (fewer live
+            // registers than dequantizing the chunk first, as the GEMM does).
+            u32 s[4];
+            fp4_scale_words<NV>(s, sa, sb);
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++) fp4_mma_chunk(acc[nt], a, xv[nt]);
+            for (int q = 0; q < 4; q++) {
+                u32 f[4];
+                fp4_frag<0>(f, wa, wb, s, q);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) fp4_mma(acc[nt], f, xv[nt][q], 0);
+                fp4_frag<1>(f, wa, wb, s, q);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) fp4_mma(acc[nt], f, xv[nt][q], 1);
             }
         }
-    }
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) partial[warp][nt][lane][i] = acc[nt][i];
-    __syncthreads();
-    if (warp == 0) {  // the fixed order of the sum keeps it deterministic
+        // The tile's sums: partial sums of alternate tiles in alternate
+        // halves, so one barrier a tile suffices (warp 0 reads half tl & 1
+        // before any warp can pass the next tile's barrier and write it again).
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                float s = 0.0f;
+            for (int i = 0; i < 4; i++) partial[tl & 1][warp][nt][lane][i] = acc[nt][i];
+        __syncthreads();
+        if (warp == 0) {  // the fixed order of the sum keeps it deterministic
 #pragma unroll
-                for (int w = 0; w < WARPS; w++) s += partial[w][nt][lane][i];
-                fp4_store(y, row_scale, s, i < 2 ? ra : rb, nt * 8 + 2 * t + (i & 1), n, rows, out_pow2, accumulate);
-            }
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    float s = 0.0f;
+#pragma unroll
+                    for (int w = 0; w < GEMV_WARPS; w++) s += partial[tl & 1][w][nt][lane][i];
+                    fp4_store(y, row_scale, s, i < 2 ? ra : rb, nt * 8 + 2 * t + (i & 1), n, rows, out_pow2, accumulate);
+                }
+        }
     }
+    asm volatile("cp.async.wait_group 0;");
 }
 
-// cols a multiple of 32; 8 (n8) or 16 (n16) tokens a block.
+// cols a multiple of 32; 8 (n8) or 16 (n16) tokens a block (blockIdx.x), a
+// grid of as many blocks as an SM holds at once over the row tiles
+// (blockIdx.y), GEMV_WARPS * GEMV_STAGES * GEMV_STAGE_BYTES of dynamic
+// shared memory (fp4.rs).
 #define FP4_ARGS const unsigned char *__restrict__ codes, const unsigned char *__restrict__ scales, \
                  const float *__restrict__ row_scale, const bf16 *__restrict__ x, float *__restrict__ y, int n, \
                  int rows, int cols, float out_pow2, int shift, int accumulate
 #define FP4_PASS codes, scales, row_scale, x, y, n, rows, cols, out_pow2, shift, accumulate
-// 256 threads a block (FP4_WARPS in fp4.rs).
-extern "C" __global__ void __launch_bounds__(256) fp4_gemv_mx_n8(FP4_ARGS) { fp4_gemv<false, 1, 4, 8>(FP4_PASS); }
-extern "C" __global__ void __launch_bounds__(256) fp4_gemv_mx_n16(FP4_ARGS) { fp4_gemv<false, 2, 4, 8>(FP4_PASS); }
-extern "C" __global__ void __launch_bounds__(256) fp4_gemv_nv_n8(FP4_ARGS) { fp4_gemv<true, 1, 4, 8>(FP4_PASS); }
-extern "C" __global__ void __launch_bounds__(256) fp4_gemv_nv_n16(FP4_ARGS) { fp4_gemv<true, 2, 4, 8>(FP4_PASS); }
+// Blocks an SM (fp4.rs asks the driver how many fit and launches as many):
+// 3, at up to 80 registers (at 64, for 4, the second token tile's
+// accumulators and x spill, and the 8-token kernel recomputes more).
+#define FP4_GEMV_N8 __launch_bounds__(GEMV_WARPS * 32, 3)
+#define FP4_GEMV_N16 __launch_bounds__(GEMV_WARPS * 32, 3)
+extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_mx_n8(FP4_ARGS) { fp4_gemv<false, 1>(FP4_PASS); }
+extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_mx_n16(FP4_ARGS) { fp4_gemv<false, 2>(FP4_PASS); }
+extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_nv_n8(FP4_ARGS) { fp4_gemv<true, 1>(FP4_PASS); }
+extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_nv_n16(FP4_ARGS) { fp4_gemv<true, 2>(FP4_PASS); }
 
 // --- The tiled GEMM: more than 16 tokens ---
 //
@@ -318,7 +441,7 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
                                          float* __restrict__ y, float* __restrict__ part, int n, int rows, int cols,
                                          float out_pow2, int shift, int accumulate, int per_split, int step) {
     extern __shared__ __align__(16) unsigned char smem[];
-    fp4_fill_e4m3_table<NV>();
+    fp4_fill_scale_table<NV>(shift);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.y * 128, ra = row0 + warp * 16 + g, rb = ra + 8;
     const int tok0 = blockIdx.x * GEMM_TOKENS, here = min(GEMM_TOKENS, n - tok0);
@@ -390,7 +513,7 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
             sb = ss[lb * 8 + t];
         }
         u32 a[8][4];
-        fp4_dequant<NV>(a, wa, wb, sa, sb, shift);
+        fp4_dequant<NV>(a, wa, wb, sa, sb);
         const bf16* xs = (const bf16*)base;
 #pragma unroll
         for (int nt = 0; nt < GEMM_TOKENS / 8; nt++) {

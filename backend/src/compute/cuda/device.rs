@@ -148,6 +148,20 @@ impl Gpu {
             .unwrap_or_else(|| panic!("no kernel named {name}"))
     }
 
+    /// How many blocks of kernel `name` an SM runs at once with `threads`
+    /// threads and `shared` bytes of dynamic shared memory each (the
+    /// driver's occupancy calculator: registers, shared memory, bounds).
+    pub fn blocks_per_sm(&self, name: &str, threads: u32, shared: u32) -> Result<u32, GpuError> {
+        let f = self.function(name);
+        if shared > 0 {
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared as i32,
+            )?;
+        }
+        Ok(f.occupancy_max_active_blocks_per_multiprocessor(threads, shared as usize, None)?)
+    }
+
     /// Makes this GPU's context current on the calling thread.
     pub fn bind(&self) -> Result<(), GpuError> {
         Ok(self.ctx.bind_to_thread()?)
@@ -229,9 +243,10 @@ impl Gpu {
         args: &[&dyn KernelArg],
     ) -> Result<(), GpuError> {
         let f = self.function(name);
-        if config.shared_mem_bytes > 48 << 10 {
-            // Above the default limit a kernel must opt in (once is enough;
-            // the call is cheap).
+        if config.shared_mem_bytes > 0 {
+            // Past 48 KB, static and dynamic together, a kernel must opt in
+            // (the FP4 GEMV's 37 KB of stages sit beside up to 18 KB of its
+            // own); once would be enough, and the call is cheap.
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 config.shared_mem_bytes as i32,

@@ -20,8 +20,12 @@ use crate::model::LlamaConfig;
 /// in the row or all out).
 pub const FP4_COLS_MULTIPLE: usize = 32;
 
-/// Warps per block of the kernels (`fp4.cu`'s WARPS).
+/// Warps per block of the kernels (`fp4.cu`'s GEMV_WARPS).
 const FP4_WARPS: u32 = 8;
+
+/// The GEMV's shared memory for its cp.async pipeline (`fp4.cu`:
+/// GEMV_WARPS x GEMV_STAGES x GEMV_STAGE_BYTES).
+const GEMV_SMEM: u32 = FP4_WARPS * 4 * (1024 + 128);
 
 /// Tokens a GEMM block takes (`fp4.cu`'s GEMM_TOKENS) and rows (a 16-row
 /// tile per warp).
@@ -278,24 +282,23 @@ impl Fp4Weights {
             Fp4Format::Mxfp4 => format!("fp4_gemv_mx_n{per_block}"),
             Fp4Format::Nvfp4 => format!("fp4_gemv_nv_n{per_block}"),
         };
-        let (token_blocks, row_blocks) = (n.div_ceil(per_block), self.rows.div_ceil(16));
-        if row_blocks > 65_535 {
+        let token_blocks = n.div_ceil(per_block) as u32;
+        // The kernel addresses a matrix's codes with 32-bit offsets.
+        if self.rows * self.cols / 2 > u32::MAX as usize {
             return Err(GpuError::Other(format!(
-                "an FP4 matrix of {} rows (at most {})",
-                self.rows,
-                65_535 * 16
+                "an FP4 matrix of {} x {} (the GEMV takes at most 4 GiB of codes)",
+                self.rows, self.cols
             )));
         }
+        // As many blocks as the GPU holds at once; they walk the row tiles.
+        let resident = gpu.sm_count * gpu.blocks_per_sm(&name, FP4_WARPS * 32, GEMV_SMEM)?;
+        let row_blocks = (self.rows.div_ceil(16) as u32).clamp(1, resident.max(1));
         // SAFETY: the kernel reads 16-byte groups of codes within each row
         // (cols a multiple of 32), the scales of those columns, a scale per
         // row, x's rows j < n and writes y's rows j < n.
         gpu.launch(
             &name,
-            grid(
-                (token_blocks as u32, row_blocks as u32, 1),
-                FP4_WARPS * 32,
-                0,
-            ),
+            grid((token_blocks, row_blocks, 1), FP4_WARPS * 32, GEMV_SMEM),
             &[
                 &gpu.ptr(&self.codes, 0),
                 &gpu.ptr(&self.scales, 0),

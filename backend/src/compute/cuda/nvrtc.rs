@@ -145,9 +145,18 @@ impl Program {
     }
 }
 
-/// The full source NVRTC sees for `file`.
+/// The full source NVRTC sees for `file`: the embedded one, or with
+/// `$SLUICE_KERNEL_DIR` set (a kernel author's loop on a GPU machine: edit,
+/// run, no rebuild of the binary) `common.cuh` and the file read from that
+/// folder; a file missing there falls back to the embedded source.
 pub fn full_source(file: &KernelFile) -> String {
-    format!("{COMMON}\n#line 1 \"{}\"\n{}", file.name, file.source)
+    let from_dir = |name: &str| {
+        let dir = std::env::var_os("SLUICE_KERNEL_DIR")?;
+        std::fs::read_to_string(std::path::Path::new(&dir).join(name)).ok()
+    };
+    let common = from_dir("common.cuh").unwrap_or_else(|| COMMON.to_string());
+    let source = from_dir(file.name).unwrap_or_else(|| file.source.to_string());
+    format!("{common}\n#line 1 \"{}\"\n{source}", file.name)
 }
 
 /// Compiles `file` for `arch` (a real architecture such as `sm_90a`) into a CUBIN.

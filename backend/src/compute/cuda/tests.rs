@@ -498,7 +498,7 @@ fn paged_attention_matches_the_cpu_for_decode_and_prefill() {
 /// Rows not a multiple of the 16-row tile, chunks not a multiple of the 8
 /// warps, a partial last chunk (96 and 608 columns), rows of different
 /// magnitudes (different scales), two matrices stacked (each its own tensor
-/// scale), 1 to 64 tokens (several token blocks), into y and added to it;
+/// scale), matrices taller than the GEMV's grid, 1 to 64 tokens (several token blocks), into y and added to it;
 /// the same through the tiled GEMM (1 to 100 tokens, one column split and
 /// many), and the GEMM in the GEMV's order (64 tokens a launch past 64)
 /// equal to the GEMV bit for bit. And the dequantization to BF16: each weight within one BF16
@@ -507,7 +507,21 @@ fn paged_attention_matches_the_cpu_for_decode_and_prefill() {
 fn fp4_gemv_matches_the_cpu_reference() {
     use crate::compute::fp4::{Fp4Format, Fp4Matrix};
     let Some(gpu) = gpu() else { return };
-    for (rows, cols) in [(40, 640), (16, 128), (24, 96), (8, 608)] {
+    // More 16-row tiles than the GEMV's grid has blocks (each block walks
+    // several, its cp.async pipeline running on from one tile to the next),
+    // with warps that have no chunk (256 columns: two), one that has two
+    // while the rest have one (1,152), and scales not staged (1,088 columns
+    // are not whole chunks); these run the GEMV's token counts only.
+    let tall = 16 * 4 * gpu.sm_count as usize + 40;
+    for (rows, cols) in [
+        (40, 640),
+        (16, 128),
+        (24, 96),
+        (8, 608),
+        (tall, 256),
+        (tall, 1152),
+        (tall, 1088),
+    ] {
         let w: Vec<f32> = values(rows * cols, 41)
             .iter()
             .enumerate()
@@ -532,6 +546,9 @@ fn fp4_gemv_matches_the_cpu_reference() {
                     (100, Some(SumOrder::AsGemv)),
                 ])
             {
+                if rows == tall && n > 17 {
+                    continue;
+                }
                 let x = from_bf16(&to_bf16(&values(n * cols, 50 + n as u64)));
                 let dx = gpu.upload(&to_bf16(&x)).unwrap();
                 let before = values(n * rows, 7);
