@@ -18,12 +18,13 @@
 // scale comes in row_scale (one per row, so that matrices quantized apart,
 // Q, K and V say, run as one).
 //
-// A block of 8 warps takes 16 rows and NT * 8 tokens (blockIdx.y: rows,
-// blockIdx.x: tokens, so that the blocks sharing a weight tile run together
-// and read it from DRAM once); its warps split the columns in chunks of 128
-// (warp w takes chunks w, w + 8, ...), UNROLL chunks in flight; a row's last
-// chunk may be partial (cols a multiple of 32: a lane's 32 columns are all in
-// or all out). Each chunk is dequantized once for all the block's tokens.
+// A block of 8 warps takes 16-row tiles (blockIdx.y, + gridDim.y, ...: the
+// grid is as many blocks as the GPU holds at once) and NT * 8 tokens
+// (blockIdx.x); its warps split a tile's columns in chunks of 128 (warp w
+// takes chunks w, w + 8, ...), copying the next chunk while multiplying this
+// one (the pipeline below); a row's last chunk may be partial (cols a
+// multiple of 32: a lane's 32 columns are all in or all out). Each chunk is
+// dequantized once for all the block's tokens.
 // (With 4 warps the 384 blocks of an 8B model's qkv filled 0.48 waves of the
 // H200's SMs: 11 warps an SM, 20% of DRAM bandwidth under ncu.) In a chunk
 // lane (g = lane / 4, t = lane % 4) loads 16 bytes (32 codes) of rows g and
@@ -184,16 +185,17 @@ __device__ __forceinline__ void fp4_store(float* __restrict__ y, const float* __
     }
 }
 
-// The GEMV's pipeline: each warp copies its chunks into shared memory with
-// cp.async GEMV_STAGES - 1 chunks ahead of the one it multiplies, so a warp
-// keeps ~3 KB of weights in the air without registers for them (the codes
-// used to come straight into registers, four chunks a warp at a time, and a
-// warp had nothing in flight while it multiplied). A warp's shared memory:
-// GEMV_STAGES stages of codes, 1 KB each (rows g, 16 bytes a lane at 16
-// lane, and rows g + 8 at 512 + 16 lane: conflict-free 16-byte reads), then
-// as many of scales, 128 bytes each (the tile's 16 rows, 8 bytes a row, of
-// which MX uses 4).
-#define GEMV_STAGES 4
+// The GEMV's pipeline: each warp copies its next chunk into shared memory
+// with cp.async while it multiplies this one (the codes used to come
+// straight into registers, four chunks a warp at a time, and a warp had
+// nothing in flight while it multiplied). One chunk ahead is best: three
+// ahead ran a layer's four matrices at 2.03-2.06 TB/s against 2.14-2.20,
+// none at 1.78-1.81 (BENCHMARKS.md). A warp's shared memory: GEMV_STAGES
+// stages of codes, 1 KB each (rows g, 16 bytes a lane at 16 lane, and rows
+// g + 8 at 512 + 16 lane: conflict-free 16-byte reads), then as many of
+// scales, 128 bytes each (the tile's 16 rows, 8 bytes a row, of which MX
+// uses 4).
+#define GEMV_STAGES 2
 #define GEMV_STAGE_BYTES (1024 + 128)
 #define GEMV_WARPS 8
 

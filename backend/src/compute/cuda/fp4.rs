@@ -25,7 +25,7 @@ const FP4_WARPS: u32 = 8;
 
 /// The GEMV's shared memory for its cp.async pipeline (`fp4.cu`:
 /// GEMV_WARPS x GEMV_STAGES x GEMV_STAGE_BYTES).
-const GEMV_SMEM: u32 = FP4_WARPS * 4 * (1024 + 128);
+const GEMV_SMEM: u32 = FP4_WARPS * 2 * (1024 + 128);
 
 /// Tokens a GEMM block takes (`fp4.cu`'s GEMM_TOKENS) and rows (a 16-row
 /// tile per warp).
