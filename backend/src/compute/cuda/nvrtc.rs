@@ -150,12 +150,16 @@ impl Program {
 /// run, no rebuild of the binary) `common.cuh` and the file read from that
 /// folder; a file missing there falls back to the embedded source.
 pub fn full_source(file: &KernelFile) -> String {
-    let from_dir = |name: &str| {
-        let dir = std::env::var_os("SLUICE_KERNEL_DIR")?;
-        std::fs::read_to_string(std::path::Path::new(&dir).join(name)).ok()
-    };
-    let common = from_dir("common.cuh").unwrap_or_else(|| COMMON.to_string());
-    let source = from_dir(file.name).unwrap_or_else(|| file.source.to_string());
+    full_source_from(
+        file,
+        std::env::var_os("SLUICE_KERNEL_DIR").map(PathBuf::from),
+    )
+}
+
+fn full_source_from(file: &KernelFile, dir: Option<PathBuf>) -> String {
+    let read = |name: &str| std::fs::read_to_string(dir.as_ref()?.join(name)).ok();
+    let common = read("common.cuh").unwrap_or_else(|| COMMON.to_string());
+    let source = read(file.name).unwrap_or_else(|| file.source.to_string());
     format!("{common}\n#line 1 \"{}\"\n{source}", file.name)
 }
 
@@ -264,4 +268,29 @@ pub fn compile_cached(file: &KernelFile, arch: &str) -> Result<Vec<u8>, CompileE
         }
     }
     Ok(cubin)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `SLUICE_KERNEL_DIR`'s files replace the embedded ones; one missing
+    /// there is the embedded source.
+    #[test]
+    fn sources_come_from_the_kernel_dir_when_there() {
+        let dir = std::env::temp_dir().join(format!("sluice-kernel-dir-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("gemv.cu"), "// edited gemv\n").unwrap();
+        let gemv = KERNEL_FILES.iter().find(|f| f.name == "gemv.cu").unwrap();
+        let layers = KERNEL_FILES.iter().find(|f| f.name == "layers.cu").unwrap();
+        let edited = full_source_from(gemv, Some(dir.clone()));
+        assert!(edited.starts_with(COMMON) && edited.ends_with("// edited gemv\n"));
+        assert_eq!(
+            full_source_from(layers, Some(dir.clone())),
+            full_source_from(layers, None)
+        );
+        std::fs::write(dir.join("common.cuh"), "// edited common\n").unwrap();
+        assert!(full_source_from(layers, Some(dir.clone())).starts_with("// edited common\n"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
