@@ -245,8 +245,9 @@ impl Gpu {
         let f = self.function(name);
         if config.shared_mem_bytes > 0 {
             // Past 48 KB, static and dynamic together, a kernel must opt in
-            // (the FP4 GEMV's 37 KB of stages sit beside up to 18 KB of its
-            // own); once would be enough, and the call is cheap.
+            // (a kernel's dynamic stages may sit beside static shared
+            // memory of its own); once would be enough, and the call is
+            // cheap.
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 config.shared_mem_bytes as i32,

@@ -498,11 +498,11 @@ fn paged_attention_matches_the_cpu_for_decode_and_prefill() {
 /// Rows not a multiple of the 16-row tile, chunks not a multiple of the 8
 /// warps, a partial last chunk (96 and 608 columns), rows of different
 /// magnitudes (different scales), two matrices stacked (each its own tensor
-/// scale), matrices taller than the GEMV's grid, 1 to 64 tokens (several token blocks), into y and added to it;
-/// the same through the tiled GEMM (1 to 100 tokens, one column split and
-/// many), and the GEMM in the GEMV's order (64 tokens a launch past 64)
-/// equal to the GEMV bit for bit. And the dequantization to BF16: each weight within one BF16
-/// rounding.
+/// scale), matrices taller than the GEMV's grid, 1 to 64 tokens (several
+/// token blocks), into y and added to it; the same through the tiled GEMM (1
+/// to 100 tokens, one column split and many), and the GEMM in the GEMV's
+/// order (64 tokens a launch past 64) equal to the GEMV bit for bit. And the
+/// dequantization to BF16: each weight within one BF16 rounding.
 #[test]
 fn fp4_gemv_matches_the_cpu_reference() {
     use crate::compute::fp4::{Fp4Format, Fp4Matrix};
