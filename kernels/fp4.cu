@@ -96,28 +96,6 @@ __device__ __forceinline__ void fp4_fill_scale_table(int shift) {
 
 __device__ __forceinline__ u32 word(uint4 v, int q) { return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w; }
 
-// One lane's part of a 16-row x 128-column chunk: codes of rows g and g + 8
-// at columns 32t .. 32t + 31 (16 bytes each) and their scale bytes (MX: one
-// each; NV: two each, in a 16-bit load). Zeros where out of the matrix.
-template <bool NV>
-__device__ __forceinline__ void fp4_load(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
-                                         int ra, int rb, int rows, int cols, int k, bool in, uint4& wa, uint4& wb,
-                                         u32& sa, u32& sb) {
-    const u64 row_bytes = (u64)cols >> 1;
-    const int per_row_scales = cols / (NV ? 16 : 32);
-    in = in && k < cols;
-    const bool ina = in && ra < rows, inb = in && rb < rows;
-    wa = ina ? __ldg((const uint4*)(codes + ra * row_bytes + (k >> 1))) : make_uint4(0, 0, 0, 0);
-    wb = inb ? __ldg((const uint4*)(codes + rb * row_bytes + (k >> 1))) : make_uint4(0, 0, 0, 0);
-    if (NV) {
-        sa = ina ? __ldg((const unsigned short*)(scales + (u64)ra * per_row_scales + (k >> 4))) : 0u;
-        sb = inb ? __ldg((const unsigned short*)(scales + (u64)rb * per_row_scales + (k >> 4))) : 0u;
-    } else {
-        sa = ina ? __ldg(scales + (u64)ra * per_row_scales + (k >> 5)) : 0u;
-        sb = inb ? __ldg(scales + (u64)rb * per_row_scales + (k >> 5)) : 0u;
-    }
-}
-
 // A lane's block scales as bf16x2 words {rows g: columns 0-15, 16-31; rows
 // g + 8: the same} (NV has one per 16 columns; MX one per 32).
 template <bool NV>
