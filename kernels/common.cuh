@@ -74,19 +74,8 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
     return (u32)a;
 }
 
-// Global -> shared, 16 (L2 only), 8 or 4 bytes; `bytes` 0 writes zeros and
-// reads nothing (fp4.cu's tiled GEMM, fp4_blackwell.cu).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async8(void* dst, const void* src, int bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, int bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
-}
-
-// The same, to a shared address (smem_u32), and shared loads from one.
+// Global -> shared, 16 (L2 only), 8 or 4 bytes, to a shared address
+// (smem_u32); `bytes` 0 writes zeros and reads nothing.
 __device__ __forceinline__ void cp_async16_shared(u32 dst, const void* src, int bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
 }
@@ -96,6 +85,18 @@ __device__ __forceinline__ void cp_async8_shared(u32 dst, const void* src, int b
 __device__ __forceinline__ void cp_async4_shared(u32 dst, const void* src, int bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes));
 }
+// The same to a shared pointer (fp4.cu's tiled GEMM, fp4_blackwell.cu).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+    cp_async16_shared(smem_u32(dst), src, bytes);
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, int bytes) {
+    cp_async8_shared(smem_u32(dst), src, bytes);
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, int bytes) {
+    cp_async4_shared(smem_u32(dst), src, bytes);
+}
+
+// Shared loads from a shared address.
 __device__ __forceinline__ uint4 lds128(u32 a) {
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));

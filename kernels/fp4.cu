@@ -212,14 +212,13 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     const u32 scales_copy_at = opaque(warp_smem + GEMV_STAGES * 1024 + 8 * (g + 8 * t));
     const u32 scales_read_at = opaque(warp_smem + GEMV_STAGES * 1024 + 8 * g + (NV ? 2 : 1) * t);
 
-    // The next item to copy: how many are left, how many of its tile, its
-    // stage, its column and where this lane copies from (the codes of row
+    // The next item to copy: how many were, how many of its tile are left,
+    // its column and where this lane copies from (the codes of row
     // g, those of g + 8 b_off on; the scales of row g, t = 0, or g + 8, t = 1;
     // 32-bit offsets: a matrix's codes stay under 4 GB, fp4.rs checks).
     // A tile wholly inside the matrix (every row there, whole chunks) copies
     // without the bounds' selects.
-    int to_issue = items, tile_left = 0, next_tile = blockIdx.y, next_k = 0;
-    int issued = 0;
+    int issued = 0, tile_left = 0, next_tile = blockIdx.y, next_k = 0;
     u32 next_a = 0, next_s = 0;
     bool next_ina = false, next_inb = false, next_ins = false, next_whole = false;
     const u32 b_off = 8 * (u32)row_bytes;
@@ -227,7 +226,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     // Copies the next item into its stage and commits a group (an empty one
     // past the last item, so that the wait below always counts the same).
     auto issue = [&]() {
-        if (to_issue > 0) {
+        if (issued < items) {
             if (tile_left == 0) {
                 const int ra = next_tile * 16 + g, rb = ra + 8, rs = t == 0 ? ra : rb;
                 next_ina = ra < rows;
@@ -267,15 +266,13 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
             next_k += GEMV_WARPS * 128;
             issued++;
             tile_left--;
-            to_issue--;
         }
         asm volatile("cp.async.commit_group;");
     };
 #pragma unroll
     for (int s = 0; s < GEMV_STAGES - 1; s++) issue();
 
-    // This lane's x: token g (and g + 8), from the warp's first chunk; and
-    // the stage to read next.
+    // This lane's x: token g (and g + 8), from the warp's first chunk.
     const bf16* const x_lane = opaque(x + (u64)g * cols + (warp << 7) + 32 * t);
     bool tok_in[NT];
 #pragma unroll

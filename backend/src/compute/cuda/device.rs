@@ -153,12 +153,7 @@ impl Gpu {
     /// driver's occupancy calculator: registers, shared memory, bounds).
     pub fn blocks_per_sm(&self, name: &str, threads: u32, shared: u32) -> Result<u32, GpuError> {
         let f = self.function(name);
-        if shared > 0 {
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                shared as i32,
-            )?;
-        }
+        opt_in_shared(f, shared)?;
         Ok(f.occupancy_max_active_blocks_per_multiprocessor(threads, shared as usize, None)?)
     }
 
@@ -243,16 +238,7 @@ impl Gpu {
         args: &[&dyn KernelArg],
     ) -> Result<(), GpuError> {
         let f = self.function(name);
-        if config.shared_mem_bytes > 0 {
-            // Past 48 KB, static and dynamic together, a kernel must opt in
-            // (a kernel's dynamic stages may sit beside static shared
-            // memory of its own); once would be enough, and the call is
-            // cheap.
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                config.shared_mem_bytes as i32,
-            )?;
-        }
+        opt_in_shared(f, config.shared_mem_bytes)?;
         let mut builder = self.stream.launch_builder(f);
         for a in args {
             a.push(&mut builder);
@@ -404,6 +390,20 @@ impl Gpu {
         let (p, _guard) = s.device_ptr(&self.stream);
         p + (offset * std::mem::size_of::<T>()) as u64
     }
+}
+
+/// Lets kernel `f` take `shared` bytes of dynamic shared memory: past 48 KB,
+/// static and dynamic together, a kernel must opt in (a kernel's dynamic
+/// stages may sit beside static shared memory of its own); once would be
+/// enough, and the call is cheap.
+fn opt_in_shared(f: &CudaFunction, shared: u32) -> Result<(), GpuError> {
+    if shared > 0 {
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shared as i32,
+        )?;
+    }
+    Ok(())
 }
 
 /// Whether a capture failed because it was invalidated: with several engines
