@@ -402,7 +402,11 @@ async fn a_hostile_router_under_load_fails_no_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_worker_fails_only_the_streams_it_was_sending() {
-    let mut cluster = Cluster::start(2, |_| {}).await;
+    // The dead worker must still be listed (unhealthy) at the end: its
+    // registration outlives the test, however slow the machine (the
+    // default 30 s ran out on a 2-core CI machine busy with other builds,
+    // and the expired worker was forgotten before the check).
+    let mut cluster = Cluster::start(2, |c| c.fleet.registration_ttl_ms = 600_000).await;
     let long = |stream: bool, i: usize| {
         json!({
             "prompt": format!("Story number {i}: once upon a time"),
