@@ -247,9 +247,12 @@ async fn sessions_return_in_approximate_mode(with_tokenizer: bool) {
         "airport",
         "observatory",
     ];
-    // First turns at once (each takes 300 ms): the load spreads them.
+    // First turns at once (each takes 2 s, so that all six are in flight
+    // together even on a busy 2-core machine: with 300 ms, one run of this
+    // file in seven, and one CI run, sent all six to one worker): the load
+    // spreads them.
     for engine in [&a, &b] {
-        engine.set_delay(Duration::from_millis(300));
+        engine.set_delay(Duration::from_secs(2));
     }
     let first_turns = topics.map(|topic| {
         let body = conversation(topic, "When do you open?");

@@ -962,8 +962,8 @@ impl Workspace {
 mod tests {
     use super::*;
 
-    /// Batch-invariant steps never leave the GEMV's sums (the GEMM in its
-    /// order past 16 tokens, at any size); fast ones pick by size.
+    /// More query heads per KV head than the decode kernel's MMA takes are
+    /// refused at load, with the count in the error.
     #[test]
     fn groups_past_the_decode_kernel_are_refused() {
         let mut c = LlamaConfig::preset("llama-3.1-8b").unwrap();
@@ -973,6 +973,8 @@ mod tests {
         assert!(e.contains("16 query heads per KV head"), "{e}");
     }
 
+    /// Batch-invariant steps never leave the GEMV's sums (the GEMM in its
+    /// order past 16 tokens, at any size); fast ones pick by size.
     #[test]
     fn fp4_paths_by_numerics_and_size() {
         use Fp4Path::*;
