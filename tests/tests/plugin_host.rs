@@ -73,6 +73,57 @@ fn round_robin_state_lives_across_calls() {
 }
 
 #[test]
+fn session_affinity_holds_across_instances_running_side_by_side() {
+    let router = Arc::new(router_with("session-affinity", ""));
+    let slot = router.slot().clone();
+    // Threads calling at once (released together each round) make the slot
+    // run several instances; each sees made-up fleets in which KV-aware
+    // alone would pick anywhere.
+    let together = Arc::new(std::sync::Barrier::new(4));
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let (router, together) = (router.clone(), together.clone());
+            std::thread::spawn(move || {
+                let mut picks = Vec::new();
+                for round in 0..300u64 {
+                    together.wait();
+                    let mut r = request(40);
+                    r.session_hash = 1 + round % 25;
+                    let f = fleet(8, t * 1_000 + round);
+                    picks.push((r.session_hash, router.route(&r, &f)));
+                }
+                picks
+            })
+        })
+        .collect();
+    let mut worker_of = std::collections::HashMap::new();
+    for t in threads {
+        for (session, decision) in t.join().unwrap() {
+            let first = worker_of
+                .entry(session)
+                .or_insert_with(|| decision.clone())
+                .clone();
+            assert_eq!(decision, first, "session {session} moved");
+        }
+    }
+    assert!(
+        slot.with_current(|g| g.idle_instances()).unwrap_or(0) >= 2,
+        "several instances ran (else this test proves nothing)"
+    );
+    let status = slot.status();
+    assert_eq!(status.shared_entries, 25, "one entry a session");
+    assert_eq!(status.shared_refused, 0);
+}
+
+#[test]
+fn a_plugin_built_against_0_1_0_still_loads_and_answers() {
+    let router = router_with("contract-0-1-0", "");
+    let (decision, version) = router.route_traced(&request(40), &fleet(5, 1));
+    assert_eq!(version, Some(1), "the plugin itself answered");
+    assert_eq!(decision, RouteDecision::Worker(4));
+}
+
+#[test]
 fn hot_swap_under_concurrent_calls_loses_nothing() {
     let slot = Arc::new(Slot::<Router>::new(runtime()));
     let bytes = plugin_wasm("hostile"); // mode=ok: a constant, well-behaved router
@@ -287,7 +338,7 @@ fn an_incompatible_interface_version_is_refused_at_load() {
     );
     let text = err.to_string();
     assert!(
-        text.contains("sluice:policy/router@0.2.0") && text.contains("0.1.0"),
+        text.contains("sluice:policy/router@0.2.0") && text.contains("0.1.1"),
         "{text}"
     );
 }
@@ -308,7 +359,7 @@ fn refusals_name_the_plugin_and_leave_the_active_version_alone() {
         .unwrap_err();
     assert!(matches!(err, LoadError::WrongKind { .. }), "{err}");
     assert!(
-        err.to_string().contains("sluice:policy/admission@0.1.0"),
+        err.to_string().contains("sluice:policy/admission@0.1.1"),
         "{err}"
     );
 

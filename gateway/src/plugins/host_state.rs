@@ -1,11 +1,13 @@
 //! What each plugin `Store` carries: the memory limiter, the plugin's identity,
-//! and the slot-wide shared parts (stats, metrics, log rate limit).
+//! and the slot-wide shared parts (stats, metrics, log rate limit, shared
+//! entries).
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use wasmtime::ResourceLimiter;
 
+use super::shared::SharedStore;
 use super::stats::{PluginMetrics, SlotStats};
 
 /// A plugin version's name, as operators see it in logs and the admin API.
@@ -55,6 +57,8 @@ pub struct SlotShared {
     pub stats: SlotStats,
     pub metrics: Arc<PluginMetrics>,
     pub max_log_line_bytes: usize,
+    /// The entries the slot's instances share (kept across its versions).
+    pub store: SharedStore,
     /// The plugin's own `log` lines.
     plugin_log: RateLimit,
     /// The host's warnings about the plugin (kept apart, so that a plugin cannot
@@ -63,11 +67,12 @@ pub struct SlotShared {
 }
 
 impl SlotShared {
-    pub fn new(log_lines_per_sec: f64, max_log_line_bytes: usize) -> Self {
+    pub fn new(log_lines_per_sec: f64, max_log_line_bytes: usize, max_shared_entries: usize) -> Self {
         Self {
             stats: SlotStats::default(),
             metrics: Arc::new(PluginMetrics::default()),
             max_log_line_bytes,
+            store: SharedStore::new(max_shared_entries),
             plugin_log: RateLimit::new(log_lines_per_sec),
             host_log: RateLimit::new(log_lines_per_sec),
         }
@@ -171,9 +176,17 @@ pub struct HostState {
     pub identity: Arc<PluginIdentity>,
     pub slot: Arc<SlotShared>,
     pub started: Instant,
+    /// Shared entries for this store alone, instead of the slot's: the
+    /// load-time smoke call's made-up request must leave no entry behind.
+    pub scratch: Option<Box<SharedStore>>,
 }
 
 impl HostState {
+    /// The shared entries this store's calls read and write.
+    pub fn shared(&self) -> &SharedStore {
+        self.scratch.as_deref().unwrap_or(&self.slot.store)
+    }
+
     pub fn new(
         identity: Arc<PluginIdentity>,
         slot: Arc<SlotShared>,
@@ -195,6 +208,7 @@ impl HostState {
             identity,
             slot,
             started,
+            scratch: None,
         }
     }
 }

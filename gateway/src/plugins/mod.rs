@@ -9,6 +9,7 @@ mod generation;
 mod host_state;
 mod kind;
 mod runtime;
+mod shared;
 mod slot;
 mod stats;
 

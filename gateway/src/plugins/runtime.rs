@@ -38,6 +38,8 @@ pub struct HostConfig {
     pub log_lines_per_sec: f64,
     /// Longest log line kept, in bytes; longer ones are cut.
     pub max_log_line_bytes: usize,
+    /// Entries a slot's shared store holds at most (`shared-set`).
+    pub max_shared_entries: usize,
     /// Failed calls in a row after which a version is benched.
     pub breaker_threshold: u32,
     /// First bench time; it doubles with each further failure, up to the max.
@@ -57,6 +59,7 @@ impl Default for HostConfig {
             max_instances: 128,
             log_lines_per_sec: 20.0,
             max_log_line_bytes: 512,
+            max_shared_entries: 1 << 18,
             breaker_threshold: 3,
             breaker_first_bench: Duration::from_millis(10),
             breaker_max_bench: Duration::from_secs(1),
@@ -84,7 +87,7 @@ impl std::fmt::Debug for Runtime {
 }
 
 /// The interface name (with version) the host implements for every plugin.
-pub const HOST_INTERFACE: &str = "sluice:policy/host@0.1.0";
+pub const HOST_INTERFACE: &str = "sluice:policy/host@0.1.1";
 
 impl Runtime {
     pub fn new(config: HostConfig) -> wasmtime::Result<Runtime> {
@@ -140,10 +143,10 @@ impl Drop for Runtime {
 }
 
 /// The types-only interface every plugin imports for its records.
-pub const TYPES_INTERFACE: &str = "sluice:policy/types@0.1.0";
+pub const TYPES_INTERFACE: &str = "sluice:policy/types@0.1.1";
 
-/// Defines `sluice:policy/host` (log, counter-add, histogram-record, now-ns) and
-/// the types-only `sluice:policy/types`.
+/// Defines `sluice:policy/host` (log, counter-add, histogram-record, now-ns,
+/// and the slot's shared entries) and the types-only `sluice:policy/types`.
 fn link_host_imports(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
     linker.instance(TYPES_INTERFACE)?;
     let mut host = linker.instance(HOST_INTERFACE)?;
@@ -188,5 +191,32 @@ fn link_host_imports(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
     host.func_wrap("now-ns", |cx: StoreContextMut<'_, HostState>, (): ()| {
         Ok((cx.data().started.elapsed().as_nanos() as u64,))
     })?;
+    host.func_wrap(
+        "shared-get",
+        |cx: StoreContextMut<'_, HostState>, (key,): (u64,)| Ok((cx.data().shared().get(key),)),
+    )?;
+    host.func_wrap(
+        "shared-set",
+        |cx: StoreContextMut<'_, HostState>, (key, value, ttl_ms): (u64, u64, u32)| {
+            Ok((cx.data().shared().set(key, value, ttl_ms),))
+        },
+    )?;
+    host.func_wrap(
+        "shared-compare-and-swap",
+        |cx: StoreContextMut<'_, HostState>,
+         (key, expected, new, ttl_ms): (u64, Option<u64>, u64, u32)| {
+            Ok((cx
+                .data()
+                .shared()
+                .compare_and_swap(key, expected, new, ttl_ms),))
+        },
+    )?;
+    host.func_wrap(
+        "shared-remove",
+        |cx: StoreContextMut<'_, HostState>, (key,): (u64,)| {
+            cx.data().shared().remove(key);
+            Ok(())
+        },
+    )?;
     Ok(())
 }

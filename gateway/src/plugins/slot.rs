@@ -18,12 +18,14 @@ use super::generation::{CallFailure, Generation};
 use super::host_state::{DeniedImport, HostState, PluginIdentity, SlotShared};
 use super::kind::PluginKind;
 use super::runtime::Runtime;
+use super::shared::SharedStore;
 
 /// The WIT package the host speaks, and the versions of it it accepts.
 pub const PACKAGE: &str = "sluice:policy";
-pub const PACKAGE_VERSION: &str = "0.1.0";
+pub const PACKAGE_VERSION: &str = "0.1.1";
 
-/// True for versions semver-compatible with 0.1.0 (0.1.x).
+/// True for versions semver-compatible with 0.1.1 (0.1.x: 0.1.0 plugins
+/// import a subset of what 0.1.1 offers).
 fn compatible(version: &str) -> bool {
     let mut parts = version.split('.');
     matches!((parts.next(), parts.next()), (Some("0"), Some("1")))
@@ -112,6 +114,10 @@ pub struct SlotStatus {
     pub call_p99_ns: f64,
     pub logs_dropped: u64,
     pub metrics_refused: u64,
+    /// Entries the slot's instances share now, and stores refused because
+    /// the store was full.
+    pub shared_entries: usize,
+    pub shared_refused: u64,
     pub counters: Vec<(String, u64)>,
     /// The active and previous versions' own figures.
     pub versions: Vec<VersionStatus>,
@@ -168,6 +174,7 @@ impl<K: PluginKind> Slot<K> {
         let shared = Arc::new(SlotShared::new(
             runtime.config.log_lines_per_sec,
             runtime.config.max_log_line_bytes,
+            runtime.config.max_shared_entries,
         ));
         Self {
             runtime,
@@ -267,7 +274,7 @@ impl<K: PluginKind> Slot<K> {
             .collect::<Result<_, _>>()?;
 
         // The wasi:* imports that std pulls in are linked to a denial; the
-        // sluice:policy imports resolve (by semver) to the host's 0.1.0.
+        // sluice:policy imports resolve (by semver) to the host's 0.1.1.
         let mut linker = self.runtime.linker.clone();
         deny_wasi_imports(&mut linker, &component, engine)
             .map_err(|e| link_error(format!("{e:#}")))?;
@@ -296,6 +303,8 @@ impl<K: PluginKind> Slot<K> {
         };
         let mut probe = generation.instantiate().map_err(init_error)?;
         probe.arm(self.runtime.config.init_cpu_budget, Instant::now());
+        // The made-up request must not leave shared entries for real ones.
+        probe.store.data_mut().scratch = Some(Box::new(SharedStore::new(1024)));
         K::smoke(&mut probe).map_err(|f| LoadError::Smoke {
             plugin: plugin.clone(),
             digest: digest.clone(),
@@ -397,6 +406,8 @@ impl<K: PluginKind> Slot<K> {
             call_p99_ns: stats.call_ns.quantile(0.99),
             logs_dropped: stats.logs_dropped.load(Ordering::Relaxed),
             metrics_refused: self.shared.metrics.refused.load(Ordering::Relaxed),
+            shared_entries: self.shared.store.len(),
+            shared_refused: self.shared.store.refused.load(Ordering::Relaxed),
             counters: self.shared.metrics.counters(),
             versions: self
                 .current()

@@ -1,4 +1,4 @@
-//! What the host offers a plugin (log, metrics, clock). In a Wasm component these
+//! What the host offers a plugin (log, metrics, clock, shared entries). In a Wasm component these
 //! call the host's imports; on a native target (unit tests) they go to
 //! [`crate::testing`], which records them and lets a test set the clock.
 
@@ -28,4 +28,38 @@ pub fn histogram_record(name: &str, value: f64) {
 /// Monotonic nanoseconds since an origin fixed for the host's life.
 pub fn now_ns() -> u64 {
     imp::now_ns()
+}
+
+/// The entries every instance of the plugin's slot shares (`wit/README.md`,
+/// "State"): u64 values under u64 keys, each living `ttl_ms` milliseconds
+/// (0 = until removed). The host runs several instances of a plugin side by
+/// side, so state each call must see alike (a session's worker, a tenant's
+/// budget) goes here rather than in the policy's fields. Natively (unit tests)
+/// the entries are per thread: two harnesses on one thread share them, as two
+/// instances in the gateway do, and they expire by the test clock.
+pub mod shared {
+    use super::imp;
+
+    /// The value under `key`, if it is there and has not expired.
+    pub fn get(key: u64) -> Option<u64> {
+        imp::shared_get(key)
+    }
+
+    /// Stores `value` under `key` for `ttl_ms`; false (nothing stored) when
+    /// the key is new and the slot's store is full.
+    pub fn set(key: u64, value: u64, ttl_ms: u32) -> bool {
+        imp::shared_set(key, value, ttl_ms)
+    }
+
+    /// Stores `new` under `key` only if its value now is `expected` (`None`:
+    /// absent or expired); true when it stored. A read-modify-write loop on
+    /// it cannot lose an update to an instance running beside this one.
+    pub fn compare_and_swap(key: u64, expected: Option<u64>, new: u64, ttl_ms: u32) -> bool {
+        imp::shared_compare_and_swap(key, expected, new, ttl_ms)
+    }
+
+    /// Removes `key`'s entry, if any.
+    pub fn remove(key: u64) {
+        imp::shared_remove(key)
+    }
 }

@@ -26,7 +26,7 @@
 mod bindings {
     wit_bindgen::generate!({
         path: "../../wit",
-        inline: "package sluice:sdk; world imports { import sluice:policy/host@0.1.0; import sluice:policy/types@0.1.0; }",
+        inline: "package sluice:sdk; world imports { import sluice:policy/host@0.1.1; import sluice:policy/types@0.1.1; }",
         world: "sluice:sdk/imports",
         generate_all,
         additional_derives: [PartialEq, Clone],
@@ -57,7 +57,7 @@ pub mod collections {
 
 pub use config::{Config, ConfigError};
 pub use fleet::{Worker, WorkerState};
-pub use host::{Level, counter_add, histogram_record, log, now_ns};
+pub use host::{Level, counter_add, histogram_record, log, now_ns, shared};
 pub use policy::{Admission, CachePolicy, Router};
 pub use sluice_plugin_sdk_macros::{export_admission, export_cache_policy, export_router};
 pub use types::{

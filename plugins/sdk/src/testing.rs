@@ -1,7 +1,7 @@
 //! A native test harness: run a policy as the host would, without Wasm, and check
 //! each answer against the host's rules. On a native target the host imports
-//! (log, metrics, clock) land here: a test can read what was logged and counted,
-//! and set the clock.
+//! (log, metrics, clock, shared entries) land here: a test can read what was
+//! logged and counted, and set the clock.
 //!
 //! ```ignore
 //! let mut router = RouterHarness::<MyPolicy>::new("temperature=0").unwrap();
@@ -178,6 +178,25 @@ pub mod native_host {
         logs: Vec<(Level, String)>,
         counters: BTreeMap<String, u64>,
         histograms: BTreeMap<String, Vec<f64>>,
+        /// Shared entries: key -> (value, expiry in test-clock ns; MAX = never).
+        shared: BTreeMap<u64, (u64, u64)>,
+    }
+
+    impl Recorder {
+        fn live(&self, key: u64) -> Option<u64> {
+            self.shared
+                .get(&key)
+                .filter(|&&(_, expires)| expires > self.now_ns)
+                .map(|&(value, _)| value)
+        }
+
+        fn store(&mut self, key: u64, value: u64, ttl_ms: u32) {
+            let expires = match ttl_ms {
+                0 => u64::MAX,
+                ms => self.now_ns.saturating_add(u64::from(ms) * 1_000_000),
+            };
+            self.shared.insert(key, (value, expires));
+        }
     }
 
     std::thread_local! {
@@ -205,6 +224,38 @@ pub mod native_host {
                 .or_default()
                 .push(value)
         })
+    }
+
+    pub fn shared_get(key: u64) -> Option<u64> {
+        RECORDER.with(|r| r.borrow().live(key))
+    }
+
+    /// Never full: the native store has no bound.
+    pub fn shared_set(key: u64, value: u64, ttl_ms: u32) -> bool {
+        RECORDER.with(|r| r.borrow_mut().store(key, value, ttl_ms));
+        true
+    }
+
+    pub fn shared_compare_and_swap(key: u64, expected: Option<u64>, new: u64, ttl_ms: u32) -> bool {
+        RECORDER.with(|r| {
+            let mut r = r.borrow_mut();
+            let swap = r.live(key) == expected;
+            if swap {
+                r.store(key, new, ttl_ms);
+            }
+            swap
+        })
+    }
+
+    pub fn shared_remove(key: u64) {
+        RECORDER.with(|r| {
+            r.borrow_mut().shared.remove(&key);
+        })
+    }
+
+    /// Forgets this thread's shared entries (a fresh slot).
+    pub fn clear_shared() {
+        RECORDER.with(|r| r.borrow_mut().shared.clear())
     }
 
     /// The test clock: starts at 0 and moves only by [`set_now_ns`] / [`advance_ms`].
@@ -236,4 +287,4 @@ pub mod native_host {
     }
 }
 
-pub use native_host::{advance_ms, counter, histogram, logs, set_now_ns};
+pub use native_host::{advance_ms, clear_shared, counter, histogram, logs, set_now_ns};

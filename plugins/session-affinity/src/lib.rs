@@ -3,85 +3,74 @@
 //! was seen within `ttl_ms`; otherwise (and for requests without a session) it is
 //! routed KV-aware, and the choice is remembered.
 //!
-//! Config: `ttl_ms=300000, max_sessions=100000`, and the cost keys of
+//! The session table lives in the slot's shared entries
+//! (`sluice_plugin_sdk::shared`), not in the instance: the gateway runs several
+//! instances side by side (one per concurrent caller), and a table per
+//! instance sent a session's turns wherever the instance that took them had
+//! placed it (7% of the later turns of a 16-worker agentic replay moved).
+//! The host bounds the table (`wit/README.md`); a session it has no room
+//! for is routed KV-aware each time.
+//!
+//! Config: `ttl_ms=300000`, and the cost keys of
 //! `sluice_plugin_sdk::kv::CostWeights` (`cost=prefill`, the weights).
 
-use sluice_plugin_sdk::collections::HashMap;
 use sluice_plugin_sdk::kv::{CostWeights, cheapest};
 use sluice_plugin_sdk::{
-    Config, FleetView, Hop, RequestView, RouteDecision, Router, counter_add, export_router, now_ns,
+    Config, FleetView, Hop, RequestView, RouteDecision, Router, counter_add, export_router, shared,
 };
 
 pub struct SessionAffinity {
-    ttl_ns: u64,
-    max_sessions: usize,
+    ttl_ms: u32,
     weights: CostWeights,
-    /// (session hash, hop) -> (worker id, expiry in host ns).
-    sessions: HashMap<(u64, u8), (u32, u64)>,
 }
 
 impl Default for SessionAffinity {
     fn default() -> Self {
         Self {
-            ttl_ns: 300_000 * 1_000_000,
-            max_sessions: 100_000,
+            ttl_ms: 300_000,
             weights: CostWeights::PREFILL,
-            sessions: HashMap::default(),
         }
     }
 }
 
-fn hop_key(hop: Hop) -> u8 {
-    match hop {
-        Hop::Aggregated => 0,
+/// The shared-entry key of a session's worker for one hop (a disaggregated
+/// session has a prefill worker and a decode worker).
+fn session_key(session_hash: u64, hop: Hop) -> u64 {
+    let hop = match hop {
+        Hop::Aggregated => 0u64,
         Hop::Prefill => 1,
         Hop::Decode => 2,
-    }
-}
-
-impl SessionAffinity {
-    /// Makes room for one more session: drops expired ones, then the one that
-    /// expires soonest.
-    fn make_room(&mut self, now: u64) {
-        if self.sessions.len() < self.max_sessions {
-            return;
-        }
-        self.sessions.retain(|_, &mut (_, expiry)| expiry > now);
-        if self.sessions.len() >= self.max_sessions
-            && let Some(key) = self
-                .sessions
-                .iter()
-                .min_by_key(|(_, (_, e))| *e)
-                .map(|(k, _)| *k)
-        {
-            self.sessions.remove(&key);
-        }
-    }
+    };
+    session_hash ^ hop.wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
 impl Router for SessionAffinity {
     fn configure(&mut self, config: &str) -> Result<(), String> {
         let mut c = Config::parse(config)?;
-        self.ttl_ns = c.get::<u64>("ttl_ms", 300_000)?.saturating_mul(1_000_000);
-        self.max_sessions = c.get("max_sessions", 100_000)?;
+        let ttl_ms: u64 = c.get("ttl_ms", 300_000)?;
         self.weights = CostWeights::from_config(&mut c)?;
         c.finish()?;
-        if self.max_sessions == 0 {
-            return Err("max_sessions must be at least 1".into());
-        }
+        self.ttl_ms = match u32::try_from(ttl_ms) {
+            Ok(ms) if ms > 0 => ms,
+            _ => {
+                return Err(format!(
+                    "ttl_ms must be 1..={} (about 49 days), got {ttl_ms}",
+                    u32::MAX
+                ));
+            }
+        };
         Ok(())
     }
 
     fn route(&mut self, request: &RequestView, fleet: &FleetView) -> RouteDecision {
-        let now = now_ns();
-        let key = (request.session_hash, hop_key(request.hop));
-        if request.session_hash != 0
-            && let Some(&(id, expiry)) = self.sessions.get(&key)
-            && expiry > now
-            && let Some(i) = fleet.index_of(id)
-            && fleet.eligible(request.hop).any(|e| e == i)
-        {
-            self.sessions.insert(key, (id, now + self.ttl_ns));
+        let key = session_key(request.session_hash, request.hop);
+        let current = match request.session_hash {
+            0 => None,
+            _ => shared::get(key),
+        };
+        if let Some(i) = current.and_then(|id| eligible_index(request, fleet, id)) {
+            // Seen again: the affinity lasts another ttl.
+            shared::set(key, current.unwrap_or_default(), self.ttl_ms);
             counter_add("sticky", 1);
             return RouteDecision::Worker(i);
         }
@@ -89,13 +78,27 @@ impl Router for SessionAffinity {
             return RouteDecision::UseDefault;
         };
         if request.session_hash != 0 {
-            self.make_room(now);
-            self.sessions
-                .insert(key, (fleet.worker_ids()[i as usize], now + self.ttl_ns));
-            counter_add("placed", 1);
+            let id = u64::from(fleet.worker_ids()[i as usize]);
+            if shared::compare_and_swap(key, current, id, self.ttl_ms) {
+                counter_add("placed", 1);
+            } else if let Some(winner) = shared::get(key)
+                && let Some(w) = eligible_index(request, fleet, winner)
+            {
+                // Another instance placed the session first: go where it did.
+                counter_add("sticky", 1);
+                return RouteDecision::Worker(w);
+            } else {
+                counter_add("unplaced", 1);
+            }
         }
         RouteDecision::Worker(i)
     }
+}
+
+/// The index of worker `id` in `fleet`, if it can take the request's hop.
+fn eligible_index(request: &RequestView, fleet: &FleetView, id: u64) -> Option<u32> {
+    let i = fleet.index_of(u32::try_from(id).ok()?)?;
+    fleet.eligible(request.hop).any(|e| e == i).then_some(i)
 }
 
 export_router!(SessionAffinity);
@@ -166,15 +169,28 @@ mod tests {
     }
 
     #[test]
-    fn the_session_table_is_bounded() {
+    fn instances_side_by_side_keep_a_session_on_one_worker() {
         testing::set_now_ns(0);
-        let mut r = RouterHarness::<SessionAffinity>::new("max_sessions=3").unwrap();
-        for s in 1..=10 {
-            let (req, fleet) = session(s, &[0, 1]);
-            r.route(&req, &fleet);
-            testing::advance_ms(1);
-        }
-        assert_eq!(r.policy.sessions.len(), 3);
-        assert!(RouterHarness::<SessionAffinity>::new("max_sessions=0").is_err());
+        testing::clear_shared();
+        // Two instances, as the gateway runs them: one places the session...
+        let mut first = RouterHarness::<SessionAffinity>::new("").unwrap();
+        let mut second = RouterHarness::<SessionAffinity>::new("").unwrap();
+        let (req, fleet) = session(77, &[0, 5]);
+        assert_eq!(first.route(&req, &fleet), RouteDecision::Worker(1));
+        // ...and the other, asked next, sends it to the same worker though
+        // KV-aware alone would now pick worker 0.
+        let (req, fleet) = session(77, &[9, 0]);
+        assert_eq!(second.route(&req, &fleet), RouteDecision::Worker(1));
+    }
+
+    #[test]
+    fn sessions_are_kept_apart_per_hop_and_config_is_checked() {
+        testing::set_now_ns(0);
+        testing::clear_shared();
+        assert_ne!(session_key(5, Hop::Prefill), session_key(5, Hop::Decode));
+        assert_ne!(session_key(5, Hop::Aggregated), session_key(5, Hop::Decode));
+        assert!(RouterHarness::<SessionAffinity>::new("ttl_ms=0").is_err());
+        assert!(RouterHarness::<SessionAffinity>::new("ttl_ms=99999999999").is_err());
+        assert!(RouterHarness::<SessionAffinity>::new("max_sessions=3").is_err());
     }
 }

@@ -4,7 +4,7 @@
 //! oracle hit rate (what a perfect router with unbounded caches could reuse)
 //! and the fleet's capacity under the profile's timing model.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use serde_json::json;
 use sluice_backend::kv::hash::block_hashes;
@@ -12,12 +12,14 @@ use sluice_backend::server::Frontend;
 use sluice_backend::server::openai::{ChatRequest, from_json};
 use sluice_backend::sim::{Profile, next_word};
 
+use super::replay::RequestRecord;
 use super::trace::Trace;
 
 /// One request of the trace, worked out.
 #[derive(Clone, Debug)]
 pub struct PlannedRequest {
     pub session: usize,
+    pub turn: usize,
     /// When it would be sent if answers took no time (session arrival at one
     /// session per second, plus think times): the oracle's order.
     pub nominal_time: f64,
@@ -106,6 +108,7 @@ impl Plan {
                 kept.extend(&answer[..answer.len().saturating_sub(1)]);
                 requests.push(PlannedRequest {
                     session: si,
+                    turn: ti,
                     nominal_time: t,
                     prompt_tokens: prompt.len(),
                     output_tokens: answer.len(),
@@ -163,6 +166,58 @@ impl Plan {
             .map(|r| r.prompt_tokens)
             .sum();
         cached as f64 / total.max(1) as f64
+    }
+
+    /// Where a run's cached prompt tokens fall short of the oracle's, as
+    /// shares of the run's prompt tokens (so the parts add up to the oracle's
+    /// hit rate minus the run's, over the requests that reported their cached
+    /// tokens): first turns; later turns served by the worker that served the
+    /// session's previous turn (`stayed`), by another (`moved`), or by a
+    /// worker the router did not name (`unnamed`: peers).
+    pub fn shortfall(&self, sessions: usize, records: &[RequestRecord]) -> serde_json::Value {
+        let oracle = self.oracle_cached(sessions);
+        let index: HashMap<(usize, usize), usize> = self
+            .requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| ((r.session, r.turn), i))
+            .collect();
+        let worker_of: HashMap<(usize, usize), &str> = records
+            .iter()
+            .filter_map(|r| Some(((r.session, r.turn), r.worker.as_deref()?)))
+            .collect();
+        // (requests, oracle's cached minus the run's) per part.
+        let mut parts: BTreeMap<&str, (usize, i64)> = BTreeMap::new();
+        let mut prompt_tokens = 0u64;
+        for r in records {
+            let (Some(cached), Some(&i)) = (r.cached_tokens, index.get(&(r.session, r.turn)))
+            else {
+                continue;
+            };
+            prompt_tokens += self.requests[i].prompt_tokens as u64;
+            let part = match (r.turn, worker_of.get(&(r.session, r.turn))) {
+                (0, _) => "first_turns",
+                (_, None) => "unnamed",
+                (t, Some(w)) => match worker_of.get(&(r.session, t - 1)) {
+                    Some(previous) if previous == w => "stayed",
+                    _ => "moved",
+                },
+            };
+            let entry = parts.entry(part).or_default();
+            entry.0 += 1;
+            entry.1 += oracle[i] as i64 - cached as i64;
+        }
+        let total = prompt_tokens.max(1) as f64;
+        parts
+            .into_iter()
+            .map(|(part, (requests, short))| {
+                (
+                    part.to_string(),
+                    json!({"requests": requests, "share": short as f64 / total}),
+                )
+            })
+            .collect::<serde_json::Map<_, _>>()
+            .into()
     }
 
     /// Requests per second (modelled time) that keep `workers` workers fully

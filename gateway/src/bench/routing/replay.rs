@@ -40,6 +40,9 @@ pub struct RequestRecord {
     pub output_chunks: u32,
     pub prompt_tokens: Option<u64>,
     pub completion_tokens: Option<u64>,
+    /// Prompt tokens the worker served from its cache
+    /// (`usage.prompt_tokens_details.cached_tokens`), when it said.
+    pub cached_tokens: Option<u64>,
     /// `x-sluice-worker`, when the endpoint is sluice.
     pub worker: Option<String>,
     pub error: Option<String>,
@@ -118,6 +121,7 @@ async fn send(
         output_chunks: 0,
         prompt_tokens: None,
         completion_tokens: None,
+        cached_tokens: None,
         worker: None,
         error: None,
         answer: String::new(),
@@ -173,6 +177,8 @@ async fn send(
                 if let Some(usage) = event.get("usage").filter(|u| !u.is_null()) {
                     record.prompt_tokens = usage["prompt_tokens"].as_u64();
                     record.completion_tokens = usage["completion_tokens"].as_u64();
+                    record.cached_tokens =
+                        usage["prompt_tokens_details"]["cached_tokens"].as_u64();
                 }
             }
         }

@@ -107,8 +107,8 @@ fn expand(kind: &Kind, input: TokenStream) -> TokenStream {
                 world: "sluice:policy/{world}",
                 runtime_path: "::sluice_plugin_sdk::__private::wit_bindgen::rt",
                 with: {{
-                    "sluice:policy/types@0.1.0": ::sluice_plugin_sdk::types,
-                    "sluice:policy/host@0.1.0": ::sluice_plugin_sdk::__private::host,
+                    "sluice:policy/types@0.1.1": ::sluice_plugin_sdk::types,
+                    "sluice:policy/host@0.1.1": ::sluice_plugin_sdk::__private::host,
                 }},
             }});
 
