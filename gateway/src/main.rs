@@ -398,10 +398,10 @@ enum Bench {
         /// Timing profile (h200-llama-8b, cpu-smollm2) [default: h200-llama-8b]
         #[arg(long)]
         profile: Option<String>,
-        /// Real seconds per modelled second [default: 8]
+        /// Real seconds per modelled second [default: 2]
         #[arg(long)]
         time_scale: Option<f64>,
-        /// Real seconds over which sessions arrive in each run [default: 30]
+        /// Real seconds over which sessions arrive in each run [default: 25]
         #[arg(long)]
         window: Option<f64>,
         /// The model whose tokenizer everything uses [default: as `sluice worker`]

@@ -11,8 +11,13 @@
 //! The host bounds the table (`wit/README.md`); a session it has no room
 //! for is routed KV-aware each time.
 //!
+//! New sessions are placed by `CostWeights::PLACEMENT` (the KV-aware cost
+//! with running requests' blocks weighing 0.1: they stand for sessions that
+//! will bring more turns).
+//!
 //! Config: `ttl_ms=300000`, and the cost keys of
-//! `sluice_plugin_sdk::kv::CostWeights` (`cost=prefill`, the weights).
+//! `sluice_plugin_sdk::kv::CostWeights` (`cost=placement` by default, the
+//! weights).
 
 use sluice_plugin_sdk::kv::{CostWeights, cheapest};
 use sluice_plugin_sdk::{
@@ -28,7 +33,7 @@ impl Default for SessionAffinity {
     fn default() -> Self {
         Self {
             ttl_ms: 300_000,
-            weights: CostWeights::PREFILL,
+            weights: CostWeights::PLACEMENT,
         }
     }
 }
@@ -48,7 +53,7 @@ impl Router for SessionAffinity {
     fn configure(&mut self, config: &str) -> Result<(), String> {
         let mut c = Config::parse(config)?;
         let ttl_ms: u64 = c.get("ttl_ms", 300_000)?;
-        self.weights = CostWeights::from_config(&mut c)?;
+        self.weights = CostWeights::from_config_or(&mut c, "placement")?;
         c.finish()?;
         self.ttl_ms = match u32::try_from(ttl_ms) {
             Ok(ms) if ms > 0 => ms,
