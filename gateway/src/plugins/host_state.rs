@@ -67,7 +67,11 @@ pub struct SlotShared {
 }
 
 impl SlotShared {
-    pub fn new(log_lines_per_sec: f64, max_log_line_bytes: usize, max_shared_entries: usize) -> Self {
+    pub fn new(
+        log_lines_per_sec: f64,
+        max_log_line_bytes: usize,
+        max_shared_entries: usize,
+    ) -> Self {
         Self {
             stats: SlotStats::default(),
             metrics: Arc::new(PluginMetrics::default()),

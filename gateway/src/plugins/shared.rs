@@ -116,7 +116,13 @@ impl SharedStore {
         if current != expected || !self.room_for(&mut shard, key, now) {
             return false;
         }
-        shard.entries.insert(key, Entry { value: new, expires });
+        shard.entries.insert(
+            key,
+            Entry {
+                value: new,
+                expires,
+            },
+        );
         true
     }
 
@@ -142,8 +148,7 @@ impl SharedStore {
         if shard.entries.len() < self.per_shard || shard.entries.contains_key(&key) {
             return true;
         }
-        if now.saturating_sub(shard.swept) >= SWEEP_INTERVAL.as_nanos() as u64 || shard.swept == 0
-        {
+        if now.saturating_sub(shard.swept) >= SWEEP_INTERVAL.as_nanos() as u64 || shard.swept == 0 {
             shard.entries.retain(|_, e| e.expires > now);
             shard.swept = now;
         }
@@ -165,7 +170,10 @@ mod tests {
         assert_eq!(store.get(7), None);
         assert!(store.set(7, 70, 0));
         assert_eq!(store.get(7), Some(70));
-        assert!(!store.compare_and_swap(7, Some(1), 2, 0), "wrong expectation");
+        assert!(
+            !store.compare_and_swap(7, Some(1), 2, 0),
+            "wrong expectation"
+        );
         assert_eq!(store.get(7), Some(70));
         assert!(store.compare_and_swap(7, Some(70), 71, 0));
         assert_eq!(store.get(7), Some(71));

@@ -1,49 +1,69 @@
 //! Token-bucket admission per tenant: each tenant's bucket refills at `rate`
 //! tokens per second up to `burst`. A request needs its prompt tokens in the
-//! bucket to enter (else 429), and pays them on entry; its output tokens are paid
-//! when it completes, so a tenant that generates a lot goes into debt and waits.
+//! bucket to enter (else 429; a prompt larger than the burst needs a full
+//! bucket), and pays them on entry; its output tokens are paid when it
+//! completes, so a tenant that generates a lot goes into debt and waits.
 //!
-//! Config: `rate=10000, burst=40000, max_tenants=10000`.
+//! A bucket is one number in the slot's shared entries
+//! (`sluice_plugin_sdk::shared`), so the gateway's instances running side by
+//! side draw on the same bucket (a bucket per instance let a tenant through
+//! at up to the rate times the number of instances). The number is the
+//! generic cell rate algorithm's theoretical arrival time: the moment the
+//! bucket will be full again. At `now` the bucket holds
+//! `burst - (tat - now) * rate` tokens (negative in debt); paying `n` tokens
+//! moves `tat` on by `n / rate`. The entry lives until `tat`, so a tenant
+//! with no entry has a full bucket. Updates are compare-and-swap.
+//!
+//! Config: `rate=10000, burst=4*rate`.
 
-use sluice_plugin_sdk::collections::HashMap;
 use sluice_plugin_sdk::{
     Admission, AdmitDecision, Completion, Config, FleetSaturation, Rejection, RequestView,
-    counter_add, export_admission, now_ns,
+    counter_add, export_admission, now_ns, shared,
 };
 
 pub struct TokenBucket {
-    rate_per_ns: f64,
+    ns_per_token: f64,
     burst: f64,
-    max_tenants: usize,
-    /// tenant -> (tokens, last refill ns).
-    buckets: HashMap<u32, (f64, u64)>,
 }
 
 impl Default for TokenBucket {
     fn default() -> Self {
         Self {
-            rate_per_ns: 10_000.0 / 1e9,
+            ns_per_token: 1e9 / 10_000.0,
             burst: 40_000.0,
-            max_tenants: 10_000,
-            buckets: HashMap::default(),
         }
     }
 }
 
+/// Compare-and-swap attempts before giving up on recording a payment (only
+/// instances paying for the same tenant at the same moment make one fail).
+const ATTEMPTS: usize = 16;
+
 impl TokenBucket {
-    /// The tenant's bucket, refilled to now.
-    fn bucket(&mut self, tenant: u32) -> &mut f64 {
-        let now = now_ns();
-        if !self.buckets.contains_key(&tenant) && self.buckets.len() >= self.max_tenants {
-            // Forget full buckets first: they behave like new ones.
-            let burst = self.burst;
-            self.buckets.retain(|_, (tokens, _)| *tokens < burst);
+    /// Pays `tokens` from `tenant`'s bucket; with `need`, only if the bucket
+    /// holds at least that many now, else answers how many it lacks.
+    fn pay(&self, tenant: u32, tokens: f64, need: Option<f64>) -> Result<(), f64> {
+        let key = u64::from(tenant);
+        for _ in 0..ATTEMPTS {
+            let now = now_ns();
+            let stored = shared::get(key);
+            let tat = stored.unwrap_or(now).max(now);
+            let held = self.burst - (tat - now) as f64 / self.ns_per_token;
+            if let Some(need) = need
+                && held < need
+            {
+                return Err(need - held);
+            }
+            let next = tat.saturating_add((tokens * self.ns_per_token) as u64);
+            let ttl_ms = ((next - now) / 1_000_000 + 1).min(u64::from(u32::MAX)) as u32;
+            if shared::compare_and_swap(key, stored, next, ttl_ms) {
+                return Ok(());
+            }
         }
-        let (rate, burst) = (self.rate_per_ns, self.burst);
-        let (tokens, last) = self.buckets.entry(tenant).or_insert((burst, now));
-        *tokens = (*tokens + now.saturating_sub(*last) as f64 * rate).min(burst);
-        *last = now;
-        tokens
+        // Not recorded (a store full of other tenants, or a storm of
+        // payments for this one): let the request through, and say so.
+        counter_add("unrecorded", 1);
+        Ok(())
     }
 }
 
@@ -52,7 +72,6 @@ impl Admission for TokenBucket {
         let mut c = Config::parse(config)?;
         let rate: f64 = c.get("rate", 10_000.0)?;
         self.burst = c.get("burst", rate * 4.0)?;
-        self.max_tenants = c.get("max_tenants", 10_000)?;
         c.finish()?;
         if !(rate > 0.0 && rate.is_finite()) {
             return Err(format!("rate must be > 0, got {rate}"));
@@ -60,32 +79,29 @@ impl Admission for TokenBucket {
         if !(self.burst >= 1.0 && self.burst.is_finite()) {
             return Err(format!("burst must be >= 1, got {}", self.burst));
         }
-        self.rate_per_ns = rate / 1e9;
+        self.ns_per_token = 1e9 / rate;
         Ok(())
     }
 
     fn admit(&mut self, request: &RequestView, _saturation: &FleetSaturation) -> AdmitDecision {
         let need = f64::from(request.prompt_tokens);
-        let burst = self.burst;
-        let tokens = self.bucket(request.tenant_id);
-        if *tokens >= need.min(burst) {
-            *tokens -= need;
-            AdmitDecision::Admit
-        } else {
-            let short = need.min(burst) - *tokens;
-            counter_add("rejected", 1);
-            AdmitDecision::Reject(Rejection {
-                status: 429,
-                message: format!(
-                    "tenant {} is over its token rate: {short:.0} more tokens needed",
-                    request.tenant_id
-                ),
-            })
+        match self.pay(request.tenant_id, need, Some(need.min(self.burst))) {
+            Ok(()) => AdmitDecision::Admit,
+            Err(short) => {
+                counter_add("rejected", 1);
+                AdmitDecision::Reject(Rejection {
+                    status: 429,
+                    message: format!(
+                        "tenant {} is over its token rate: {short:.0} more tokens needed",
+                        request.tenant_id
+                    ),
+                })
+            }
         }
     }
 
     fn on_complete(&mut self, done: &Completion) {
-        *self.bucket(done.tenant_id) -= f64::from(done.output_tokens);
+        let _ = self.pay(done.tenant_id, f64::from(done.output_tokens), None);
     }
 }
 
@@ -144,6 +160,45 @@ mod tests {
             AdmitDecision::Reject(_)
         ));
         assert_eq!(tb.admit(&tenant_request(1, 50), &s), AdmitDecision::Admit);
+    }
+
+    #[test]
+    fn instances_side_by_side_draw_on_one_bucket() {
+        testing::set_now_ns(0);
+        testing::clear_shared();
+        let mut a = AdmissionHarness::<TokenBucket>::new("rate=100, burst=300").unwrap();
+        let mut b = AdmissionHarness::<TokenBucket>::new("rate=100, burst=300").unwrap();
+        let s = saturation();
+        assert_eq!(a.admit(&tenant_request(1, 200), &s), AdmitDecision::Admit);
+        assert!(
+            matches!(
+                b.admit(&tenant_request(1, 200), &s),
+                AdmitDecision::Reject(_)
+            ),
+            "the other instance sees the 100 tokens left"
+        );
+        b.on_complete(&done(1, 100)); // 0 left
+        testing::advance_ms(500); // +50
+        assert!(matches!(
+            a.admit(&tenant_request(1, 60), &s),
+            AdmitDecision::Reject(_)
+        ));
+        assert_eq!(a.admit(&tenant_request(1, 50), &s), AdmitDecision::Admit);
+    }
+
+    #[test]
+    fn an_idle_tenant_refills_to_the_burst_and_no_further() {
+        testing::set_now_ns(0);
+        testing::clear_shared();
+        let mut tb = AdmissionHarness::<TokenBucket>::new("rate=100, burst=300").unwrap();
+        let s = saturation();
+        assert_eq!(tb.admit(&tenant_request(4, 300), &s), AdmitDecision::Admit);
+        testing::advance_ms(60_000); // far more than the 3 s to refill
+        assert_eq!(tb.admit(&tenant_request(4, 300), &s), AdmitDecision::Admit);
+        assert!(matches!(
+            tb.admit(&tenant_request(4, 1), &s),
+            AdmitDecision::Reject(_)
+        ));
     }
 
     #[test]

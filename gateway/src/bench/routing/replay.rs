@@ -177,8 +177,7 @@ async fn send(
                 if let Some(usage) = event.get("usage").filter(|u| !u.is_null()) {
                     record.prompt_tokens = usage["prompt_tokens"].as_u64();
                     record.completion_tokens = usage["completion_tokens"].as_u64();
-                    record.cached_tokens =
-                        usage["prompt_tokens_details"]["cached_tokens"].as_u64();
+                    record.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"].as_u64();
                 }
             }
         }
