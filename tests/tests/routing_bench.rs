@@ -45,6 +45,27 @@ fn a_tiny_routing_bench_runs_end_to_end() {
         assert!(run["ttft_p90_ms"].as_f64().unwrap() > 0.0);
     }
     let oracle = summary["oracle_hit_rate"].as_f64().unwrap();
+    // The shortfall's parts add up to the oracle's hit rate minus the run's
+    // (the requests' own cached-token counts against the workers' totals).
+    for run in &runs {
+        let parts = run["hit_shortfall"].as_object().expect("a shortfall split");
+        let sum: f64 = parts.values().map(|p| p["share"].as_f64().unwrap()).sum();
+        let gap = oracle - run["hit_rate"].as_f64().unwrap();
+        assert!((sum - gap).abs() < 1e-6, "{sum} vs {gap}: {run}");
+        let requests: u64 = parts
+            .values()
+            .map(|p| p["requests"].as_u64().unwrap())
+            .sum();
+        assert_eq!(requests, run["requests"].as_u64().unwrap(), "{run}");
+    }
+    let sticky = runs
+        .iter()
+        .find(|r| r["policy"] == "session-affinity?ttl_ms=60000")
+        .unwrap();
+    assert!(
+        sticky["hit_shortfall"].get("moved").is_none(),
+        "session affinity moved no turn: {sticky}"
+    );
     assert!(oracle > 0.3 && oracle < 1.0, "{summary}");
     for policy in ["round-robin", "session-affinity?ttl_ms=60000"] {
         let hit = summary["hit_rate"][policy].as_f64().unwrap();
