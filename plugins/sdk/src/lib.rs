@@ -22,6 +22,10 @@
 //!
 //! A plugin has no WASI: std's `HashMap::new()` asks for random seeds and traps.
 //! Use [`collections::HashMap`] (fixed hasher) or a `BTreeMap`.
+//!
+//! The host runs several instances of a plugin side by side: state that every
+//! call must see alike (a session's worker, a tenant's budget) goes in the
+//! slot's [`shared`] entries, not in the policy's fields.
 
 mod bindings {
     wit_bindgen::generate!({
