@@ -206,7 +206,7 @@ impl OpenAiEngine {
             .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Canned answers take `delay` from now on.
+    /// Canned answers (chat and completions) take `delay` from now on.
     pub fn set_delay(&self, delay: Duration) {
         self.state.delay_ms.store(
             delay.as_millis() as u64,
@@ -478,6 +478,7 @@ async fn chat(State(state): State<Arc<EngineState>>, headers: HeaderMap, body: B
         .tokenizer
         .encode_without_bos(&text)
         .unwrap_or_default();
+    state.pause().await;
     answer(&state, &headers, &request, &prompt, "chat.completion")
 }
 

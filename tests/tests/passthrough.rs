@@ -91,6 +91,27 @@ async fn worker_field(cluster: &Cluster, id: u64, field: &str) -> Value {
         .unwrap_or(Value::Null)
 }
 
+/// Waits (at most 4 s) until the gateway counts `n` requests in flight.
+async fn wait_in_flight(cluster: &Cluster, n: u64) {
+    let started = Instant::now();
+    loop {
+        let in_flight: u64 = cluster
+            .workers_status()
+            .await
+            .iter()
+            .filter_map(|w| w["in_flight"].as_u64())
+            .sum();
+        if in_flight >= n {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "{in_flight} requests in flight, waited for {n}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Waits (at most 15 s) until worker `id`'s `kv_mode` is `mode`.
 async fn wait_mode(cluster: &Cluster, id: u64, mode: &str) {
     let started = Instant::now();
@@ -247,17 +268,22 @@ async fn sessions_return_in_approximate_mode(with_tokenizer: bool) {
         "airport",
         "observatory",
     ];
-    // First turns at once (each takes 2 s, so that all six are in flight
-    // together even on a busy 2-core machine: with 300 ms, one run of this
-    // file in seven, and one CI run, sent all six to one worker): the load
-    // spreads them.
+    // First turns held in flight (each takes 5 s), each sent only once the
+    // gateway counts the ones before it in flight, so that the router sees
+    // their load whatever the machine's timing: the load spreads them.
+    // (Until 2026-12-01 the test engine ignored the delay on chat requests,
+    // so whether the six overlapped was luck, and two CI runs sent all six
+    // to one worker.)
     for engine in [&a, &b] {
-        engine.set_delay(Duration::from_secs(2));
+        engine.set_delay(Duration::from_secs(5));
     }
-    let first_turns = topics.map(|topic| {
+    let first_turns = topics.iter().enumerate().map(|(k, topic)| {
         let body = conversation(topic, "When do you open?");
         let cluster = &cluster;
-        async move { routed(cluster, &body).await.0 }
+        async move {
+            wait_in_flight(cluster, k as u64).await;
+            routed(cluster, &body).await.0
+        }
     });
     let first = futures_util::future::join_all(first_turns).await;
     for engine in [&a, &b] {
