@@ -111,47 +111,68 @@ impl Cluster {
         url
     }
 
-    /// Waits until `n` workers are in service (at most 60 s).
-    pub async fn wait_for_workers(&self, n: usize) {
+    /// Polls `GET /admin/workers` every `every` until `check` accepts the
+    /// list; fails with `check`'s last complaint once `limit` has passed.
+    pub async fn wait_workers(
+        &self,
+        limit: Duration,
+        every: Duration,
+        check: impl Fn(&[Value]) -> Result<(), String>,
+    ) {
         let started = Instant::now();
         loop {
-            let healthy = self
-                .workers_status()
-                .await
-                .iter()
-                .filter(|w| w["healthy"] == true)
-                .count();
-            if healthy >= n {
-                return;
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(60),
-                "only {healthy} of {n} workers came up in 60 s"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            let complaint = match check(&self.workers_status().await) {
+                Ok(()) => return,
+                Err(complaint) => complaint,
+            };
+            assert!(started.elapsed() < limit, "{complaint}");
+            tokio::time::sleep(every).await;
         }
+    }
+
+    /// Waits until `n` workers are in service (at most 60 s).
+    pub async fn wait_for_workers(&self, n: usize) {
+        let check = |workers: &[Value]| {
+            let healthy = workers.iter().filter(|w| w["healthy"] == true).count();
+            match healthy >= n {
+                true => Ok(()),
+                false => Err(format!("only {healthy} of {n} workers came up in 60 s")),
+            }
+        };
+        self.wait_workers(Duration::from_secs(60), Duration::from_millis(50), check)
+            .await;
     }
 
     /// Waits (at most 10 s) until the gateway's KV index holds at least
     /// `blocks` blocks of worker `id` (its KV events have arrived).
     pub async fn wait_cached_blocks(&self, id: u64, blocks: u64) {
-        let started = Instant::now();
-        loop {
-            let cached = self
-                .workers_status()
-                .await
+        let check = |workers: &[Value]| {
+            let cached = workers
                 .iter()
                 .find(|w| w["id"] == id)
                 .map_or(0, |w| w["cached_blocks"].as_u64().unwrap_or(0));
-            if cached >= blocks {
-                return;
+            match cached >= blocks {
+                true => Ok(()),
+                false => Err(format!(
+                    "worker {id}'s KV events never arrived ({cached} of {blocks} blocks)"
+                )),
             }
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "worker {id}'s KV events never arrived ({cached} of {blocks} blocks)"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        };
+        self.wait_workers(Duration::from_secs(10), Duration::from_millis(20), check)
+            .await;
+    }
+
+    /// Waits (at most 4 s) until the gateway counts `n` requests in flight.
+    pub async fn wait_in_flight(&self, n: u64) {
+        let check = |workers: &[Value]| {
+            let in_flight: u64 = workers.iter().filter_map(|w| w["in_flight"].as_u64()).sum();
+            match in_flight >= n {
+                true => Ok(()),
+                false => Err(format!("{in_flight} requests in flight, waited for {n}")),
+            }
+        };
+        self.wait_workers(Duration::from_secs(4), Duration::from_millis(5), check)
+            .await;
     }
 
     /// `GET /admin/workers`.

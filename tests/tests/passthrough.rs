@@ -91,27 +91,6 @@ async fn worker_field(cluster: &Cluster, id: u64, field: &str) -> Value {
         .unwrap_or(Value::Null)
 }
 
-/// Waits (at most 4 s) until the gateway counts `n` requests in flight.
-async fn wait_in_flight(cluster: &Cluster, n: u64) {
-    let started = Instant::now();
-    loop {
-        let in_flight: u64 = cluster
-            .workers_status()
-            .await
-            .iter()
-            .filter_map(|w| w["in_flight"].as_u64())
-            .sum();
-        if in_flight >= n {
-            return;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(4),
-            "{in_flight} requests in flight, waited for {n}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
 /// Waits (at most 15 s) until worker `id`'s `kv_mode` is `mode`.
 async fn wait_mode(cluster: &Cluster, id: u64, mode: &str) {
     let started = Instant::now();
@@ -281,7 +260,7 @@ async fn sessions_return_in_approximate_mode(with_tokenizer: bool) {
         let body = conversation(topic, "When do you open?");
         let cluster = &cluster;
         async move {
-            wait_in_flight(cluster, k as u64).await;
+            cluster.wait_in_flight(k as u64).await;
             routed(cluster, &body).await.0
         }
     });
