@@ -90,15 +90,17 @@ impl Router for SessionAffinity {
             0 => None,
             _ => shared::get(key),
         };
-        if let Some(i) = current.and_then(|id| eligible_index(request, fleet, id)) {
+        if let Some(id) = current
+            && let Some(i) = eligible_index(request, fleet, id)
+        {
             if let Some(to) = self.worth_moving(request, fleet, i) {
-                let id = fleet.worker_ids()[to as usize];
-                shared::set(key, u64::from(id), self.ttl_ms);
+                let to_id = fleet.worker_ids()[to as usize];
+                shared::set(key, u64::from(to_id), self.ttl_ms);
                 counter_add("moved", 1);
                 return RouteDecision::Worker(to);
             }
             // Seen again: the affinity lasts another ttl.
-            shared::set(key, current.unwrap_or_default(), self.ttl_ms);
+            shared::set(key, id, self.ttl_ms);
             counter_add("sticky", 1);
             return RouteDecision::Worker(i);
         }
