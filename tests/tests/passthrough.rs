@@ -93,14 +93,16 @@ async fn worker_field(cluster: &Cluster, id: u64, field: &str) -> Value {
 
 /// Waits (at most 15 s) until worker `id`'s `kv_mode` is `mode`.
 async fn wait_mode(cluster: &Cluster, id: u64, mode: &str) {
-    let started = Instant::now();
-    while worker_field(cluster, id, "kv_mode").await != mode {
-        assert!(
-            started.elapsed() < Duration::from_secs(15),
-            "worker {id} never went to {mode} mode"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let check = |workers: &[Value]| match workers
+        .iter()
+        .any(|w| w["id"] == id && w["kv_mode"] == mode)
+    {
+        true => Ok(()),
+        false => Err(format!("worker {id} never went to {mode} mode")),
+    };
+    cluster
+        .wait_workers(Duration::from_secs(15), Duration::from_millis(50), check)
+        .await;
 }
 
 async fn ids(cluster: &Cluster) -> Vec<u64> {
