@@ -370,16 +370,20 @@ __device__ __forceinline__ void attention_decode_mma(ATTN_ARGS) {
 
 // Groups of up to 8 query heads a KV head.
 extern "C" __global__ void __launch_bounds__(128) attention_decode_mma_hd64(ATTN_ARGS) {
+    wait_for_previous_kernels();
     attention_decode_mma<64>(ATTN_PASS);
 }
 extern "C" __global__ void __launch_bounds__(128) attention_decode_mma_hd128(ATTN_ARGS) {
+    wait_for_previous_kernels();
     attention_decode_mma<128>(ATTN_PASS);
 }
 // Prefill: up to 64 rows (query tokens x query heads of a KV head) per item.
 extern "C" __global__ void __launch_bounds__(256) attention_prefill_hd64(ATTN_ARGS) {
+    wait_for_previous_kernels();
     attention_tile_loop<64, 64, 256, 64>(ATTN_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256) attention_prefill_hd128(ATTN_ARGS) {
+    wait_for_previous_kernels();
     attention_tile_loop<128, 64, 256, 64>(ATTN_PASS);
 }
 
@@ -396,6 +400,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_prefill_hd128(ATTN_A
 extern "C" __global__ void __launch_bounds__(128) attention_combine(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, const int* __restrict__ rows,
     int n_heads, int head_dim, int n_splits, bf16* __restrict__ out) {
+    wait_for_previous_kernels();
     __shared__ float weight[128];
     __shared__ float scratch[32];
     const u64 token = rows[blockIdx.x];

@@ -369,12 +369,34 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
 // Blocks an SM (fp4.rs asks the driver how many fit and launches as many):
 // 3, at up to 80 registers (at 64, for 4, the second token tile's
 // accumulators and x spill, and the 8-token kernel recomputes more).
+// Before the GEMV waits for the kernels ahead of it (common.cuh): the codes
+// of the block's first tile of 16 rows on their way into L2.
+__device__ __forceinline__ void fp4_prefetch_first_tile(const unsigned char* codes, int rows, int cols) {
+    const int row = blockIdx.y * 16 + threadIdx.x;
+    if (threadIdx.x < 16 && row < rows && (cols & 31) == 0) prefetch_l2(codes + (u64)row * (cols >> 1), (u32)cols >> 1);
+}
 #define FP4_GEMV_N8 __launch_bounds__(GEMV_WARPS * 32, 3)
 #define FP4_GEMV_N16 __launch_bounds__(GEMV_WARPS * 32, 3)
-extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_mx_n8(FP4_ARGS) { fp4_gemv<false, 1>(FP4_PASS); }
-extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_mx_n16(FP4_ARGS) { fp4_gemv<false, 2>(FP4_PASS); }
-extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_nv_n8(FP4_ARGS) { fp4_gemv<true, 1>(FP4_PASS); }
-extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_nv_n16(FP4_ARGS) { fp4_gemv<true, 2>(FP4_PASS); }
+extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_mx_n8(FP4_ARGS) {
+    fp4_prefetch_first_tile(codes, rows, cols);
+    wait_for_previous_kernels();
+    fp4_gemv<false, 1>(FP4_PASS);
+}
+extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_mx_n16(FP4_ARGS) {
+    fp4_prefetch_first_tile(codes, rows, cols);
+    wait_for_previous_kernels();
+    fp4_gemv<false, 2>(FP4_PASS);
+}
+extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_nv_n8(FP4_ARGS) {
+    fp4_prefetch_first_tile(codes, rows, cols);
+    wait_for_previous_kernels();
+    fp4_gemv<true, 1>(FP4_PASS);
+}
+extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_nv_n16(FP4_ARGS) {
+    fp4_prefetch_first_tile(codes, rows, cols);
+    wait_for_previous_kernels();
+    fp4_gemv<true, 2>(FP4_PASS);
+}
 
 // --- The tiled GEMM: more than 16 tokens ---
 //
@@ -519,12 +541,13 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
                       float *__restrict__ part, int n, int rows, int cols, float out_pow2, int shift, int accumulate, \
                       int per_split, int step
 #define FP4_GEMM_PASS codes, scales, row_scale, x, y, part, n, rows, cols, out_pow2, shift, accumulate, per_split, step
-extern "C" __global__ void __launch_bounds__(256) fp4_gemm_mx(FP4_GEMM_ARGS) { fp4_gemm<false>(FP4_GEMM_PASS); }
-extern "C" __global__ void __launch_bounds__(256) fp4_gemm_nv(FP4_GEMM_ARGS) { fp4_gemm<true>(FP4_GEMM_PASS); }
+extern "C" __global__ void __launch_bounds__(256) fp4_gemm_mx(FP4_GEMM_ARGS) { wait_for_previous_kernels(); fp4_gemm<false>(FP4_GEMM_PASS); }
+extern "C" __global__ void __launch_bounds__(256) fp4_gemm_nv(FP4_GEMM_ARGS) { wait_for_previous_kernels(); fp4_gemm<true>(FP4_GEMM_PASS); }
 
 // y[j, r] (+)= row_scale[r] * out_pow2 * sum over splits of part[s, j, r].
 extern "C" __global__ void fp4_splitk_sum(const float* __restrict__ part, int splits, const float* __restrict__ row_scale,
                                           float out_pow2, float* __restrict__ y, int n, int rows, int accumulate) {
+    wait_for_previous_kernels();
     const u64 total = (u64)n * rows;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         float s = 0.0f;
@@ -554,6 +577,7 @@ __device__ __forceinline__ float e8m0_f32(u32 c) {
 extern "C" __global__ void fp4_to_bf16(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
                                        const float* __restrict__ row_scale, bf16* __restrict__ out, int rows, int cols,
                                        int nv) {
+    wait_for_previous_kernels();
     const u64 groups = (u64)rows * cols / 32;
     for (u64 gi = blockIdx.x * (u64)blockDim.x + threadIdx.x; gi < groups; gi += (u64)gridDim.x * blockDim.x) {
         const u64 e0 = gi * 32;
@@ -670,5 +694,5 @@ __device__ __forceinline__ void fp4_quantize_act(const bf16* __restrict__ x, int
 
 #define QUANT_ARGS const bf16 *__restrict__ x, int cols, unsigned char *__restrict__ codes, \
                    unsigned char *__restrict__ scales, float *__restrict__ act_scale
-extern "C" __global__ void fp4_quantize_act_mx(QUANT_ARGS) { fp4_quantize_act<false>(x, cols, codes, scales, act_scale); }
-extern "C" __global__ void fp4_quantize_act_nv(QUANT_ARGS) { fp4_quantize_act<true>(x, cols, codes, scales, act_scale); }
+extern "C" __global__ void fp4_quantize_act_mx(QUANT_ARGS) { wait_for_previous_kernels(); fp4_quantize_act<false>(x, cols, codes, scales, act_scale); }
+extern "C" __global__ void fp4_quantize_act_nv(QUANT_ARGS) { wait_for_previous_kernels(); fp4_quantize_act<true>(x, cols, codes, scales, act_scale); }

@@ -243,5 +243,5 @@ __device__ __forceinline__ void fp4_tc05_gemm(const unsigned char* __restrict__ 
 #define TC05_PASS wcodes, wscales, row_scale, xcodes, xscales, act_scale, y, n, rows, cols, accumulate
 // Grid (tokens / 64, rows / 128), 128 threads, 2 * TC05_STAGE_BYTES of
 // dynamic shared memory (fp4_blackwell.rs).
-extern "C" __global__ void __launch_bounds__(128) fp4_tc05_gemm_mx(TC05_ARGS) { fp4_tc05_gemm<false>(TC05_PASS); }
-extern "C" __global__ void __launch_bounds__(128) fp4_tc05_gemm_nv(TC05_ARGS) { fp4_tc05_gemm<true>(TC05_PASS); }
+extern "C" __global__ void __launch_bounds__(128) fp4_tc05_gemm_mx(TC05_ARGS) { wait_for_previous_kernels(); fp4_tc05_gemm<false>(TC05_PASS); }
+extern "C" __global__ void __launch_bounds__(128) fp4_tc05_gemm_nv(TC05_ARGS) { wait_for_previous_kernels(); fp4_tc05_gemm<true>(TC05_PASS); }

@@ -5,6 +5,7 @@
 // x[t] = embedding row tokens[t]. One block per token.
 extern "C" __global__ void embed_rows(const bf16* __restrict__ table, const int* __restrict__ tokens,
                                       float* __restrict__ x, int hidden) {
+    wait_for_previous_kernels();
     const bf16* row = table + (u64)tokens[blockIdx.x] * hidden;
     float* out = x + (u64)blockIdx.x * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[i] = bf16_to_f32(row[i]);
@@ -26,6 +27,7 @@ __device__ __forceinline__ u32 rms_scaled_bf16x2(float a, float b, float scale, 
 #define RMS_VEC 4
 extern "C" __global__ void __launch_bounds__(RMS_THREADS) rms_norm(const float* __restrict__ x, const int* __restrict__ rows,
                                     const float* __restrict__ w, bf16* __restrict__ out, int hidden, float eps) {
+    wait_for_previous_kernels();
     __shared__ float scratch[32];
     const int r = rows ? rows[blockIdx.x] : blockIdx.x;
     const float4* xr = (const float4*)(x + (u64)r * hidden);
@@ -67,6 +69,7 @@ extern "C" __global__ void rope_store_kv(const float* __restrict__ qkv, const in
                                          const int* __restrict__ slots, bf16* __restrict__ q_out,
                                          bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
                                          int n_heads, int n_kv_heads, int head_dim, float theta) {
+    wait_for_previous_kernels();
     const RopeKvOut o{positions, slots, q_out, k_cache, v_cache, n_heads, n_kv_heads, head_dim, theta};
     const int half = head_dim / 2;
     const int t = blockIdx.x, head = blockIdx.y * ROPE_HEADS + threadIdx.x / half, i = threadIdx.x % half;
@@ -84,6 +87,7 @@ extern "C" __global__ void rope_store_kv(const float* __restrict__ qkv, const in
 
 // gate_up: one f32 row per token, [gate (ffn) | up (ffn)]; out = bf16(silu(gate) * up).
 extern "C" __global__ void silu_mul(const float* __restrict__ gate_up, bf16* __restrict__ out, int ffn, u64 n) {
+    wait_for_previous_kernels();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n * ffn; i += (u64)gridDim.x * blockDim.x) {
         const u64 t = i / ffn, j = i % ffn;
         const float g = gate_up[t * 2 * ffn + j], u = gate_up[t * 2 * ffn + ffn + j];
@@ -100,6 +104,7 @@ __device__ __forceinline__ void argmax_take(float x, int i, float& v, int& idx) 
     if (x > v || (x == v && i < idx)) { v = x; idx = i; }
 }
 extern "C" __global__ void __launch_bounds__(1024) argmax_rows(const float* __restrict__ logits, int vocab, int* __restrict__ out) {
+    wait_for_previous_kernels();
     __shared__ float best_v[32];
     __shared__ int best_i[32];
     const float4* row = (const float4*)(logits + (u64)blockIdx.x * vocab);

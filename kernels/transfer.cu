@@ -10,6 +10,7 @@ extern "C" __global__ void kv_gather_pages(const bf16* __restrict__ src_k, const
                                            bf16* __restrict__ dst_k, bf16* __restrict__ dst_v,
                                            const int* __restrict__ src_pages, const int* __restrict__ dst_pages,
                                            u64 page_elems, u64 src_layer_elems, u64 dst_layer_elems) {
+    wait_for_previous_kernels();
     const int p = blockIdx.x, layer = blockIdx.y;
     const bf16* src = (blockIdx.z ? src_v : src_k) + layer * src_layer_elems + (u64)src_pages[p] * page_elems;
     bf16* dst = (blockIdx.z ? dst_v : dst_k) + layer * dst_layer_elems + (u64)dst_pages[p] * page_elems;

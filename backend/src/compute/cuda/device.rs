@@ -10,12 +10,13 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::cublas::{CudaBlas, sys as blas};
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
-    DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    DriverError, LaunchConfig, ValidAsZeroBits,
 };
 
 use super::nvrtc::{self, CompileError, KERNEL_FILES};
@@ -74,6 +75,10 @@ pub struct Gpu {
     #[allow(dead_code)]
     blas_workspace: CudaSlice<u8>,
     functions: HashMap<String, CudaFunction>,
+    /// Launch kernels as programmatic dependent launches (`launch`): on
+    /// from compute capability 9.0, off with `SLUICE_PDL=0` or
+    /// `set_dependent_launch(false)` (to measure what it gives).
+    dependent_launch: AtomicBool,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -138,6 +143,9 @@ impl Gpu {
             sm_count,
             blas,
             functions,
+            dependent_launch: AtomicBool::new(
+                major >= 9 && std::env::var("SLUICE_PDL").map_or(true, |v| v != "0"),
+            ),
         }))
     }
 
@@ -230,23 +238,69 @@ impl Gpu {
         }
     }
 
-    /// Launches kernel `name` with `args` (each pushed by reference).
+    /// Whether `launch` makes programmatic dependent launches.
+    pub fn dependent_launch(&self) -> bool {
+        self.dependent_launch.load(Ordering::Relaxed)
+    }
+
+    /// Turns programmatic dependent launches on or off (on only where the
+    /// GPU has them, compute capability 9.0 on); graphs captured before
+    /// keep what they were captured with.
+    pub fn set_dependent_launch(&self, on: bool) -> Result<(), GpuError> {
+        let (major, _) = self.ctx.compute_capability()?;
+        self.dependent_launch
+            .store(on && major >= 9, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Launches kernel `name` with `args` (each passed by reference), as a
+    /// programmatic dependent launch where `dependent_launch()` is on: the
+    /// kernel may start while the one ahead of it on the stream finishes, and
+    /// waits for it inside (`wait_for_previous_kernels` in common.cuh, which
+    /// every kernel calls first). Inside a captured graph the driver keeps
+    /// the same overlap as a programmatic edge.
     pub fn launch(
         &self,
         name: &str,
         config: LaunchConfig,
         args: &[&dyn KernelArg],
     ) -> Result<(), GpuError> {
+        use cudarc::driver::sys;
         let f = self.function(name);
         opt_in_shared(f, config.shared_mem_bytes)?;
-        let mut builder = self.stream.launch_builder(f);
-        for a in args {
-            a.push(&mut builder);
+        self.ctx.bind_to_thread()?;
+        let mut params: Vec<*mut c_void> = args.iter().map(|a| a.as_param()).collect();
+        // SAFETY: a zeroed attribute is a valid "ignore" value; the fields
+        // set are the ones the attribute id names.
+        let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attribute.id =
+            sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attribute.value.programmaticStreamSerializationAllowed = 1;
+        let launch = sys::CUlaunchConfig {
+            gridDimX: config.grid_dim.0,
+            gridDimY: config.grid_dim.1,
+            gridDimZ: config.grid_dim.2,
+            blockDimX: config.block_dim.0,
+            blockDimY: config.block_dim.1,
+            blockDimZ: config.block_dim.2,
+            sharedMemBytes: config.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attribute,
+            numAttrs: u32::from(self.dependent_launch()),
+        };
+        // SAFETY: the kernel's parameters are, in order, the values in
+        // `params` (each points at a live u64, i32, u32 or f32 for the
+        // call); every pointer among them is a live device buffer of the
+        // size the kernel reads (each call site says why).
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &launch,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+            .result()?;
         }
-        // SAFETY: the kernel's parameters are, in order, the types pushed;
-        // every pointer is a live device buffer of the size the kernel reads
-        // (each call site says why).
-        unsafe { builder.launch(config) }?;
         Ok(())
     }
 
@@ -425,16 +479,17 @@ pub fn capture_broken_by_another_thread(e: cudarc::driver::DriverError) -> bool 
     )
 }
 
-/// A value a kernel takes: pushed onto a launch by reference.
+/// A value a kernel takes: passed to a launch by reference.
 pub trait KernelArg {
-    fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>);
+    /// Where the value is, as the driver's kernel-parameter array holds it.
+    fn as_param(&self) -> *mut c_void;
 }
 
 macro_rules! kernel_arg {
     ($($t:ty),*) => {$(
         impl KernelArg for $t {
-            fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) {
-                builder.arg(self);
+            fn as_param(&self) -> *mut c_void {
+                self as *const $t as *mut c_void
             }
         }
     )*};
@@ -502,6 +557,82 @@ mod tests {
                 "silu_mul",
                 "argmax_rows"
             ]
+        );
+    }
+
+    /// The body of each `extern "C" __global__` function of `source`, after
+    /// its parameter list (braces matched).
+    fn kernel_bodies(source: &str) -> Vec<&str> {
+        let mut bodies = Vec::new();
+        for (at, _) in source.match_indices("extern \"C\" __global__") {
+            let rest = &source[at..];
+            let (mut depth, mut open) = (0i32, None);
+            for (i, ch) in rest.char_indices() {
+                match ch {
+                    '(' => depth += 1,
+                    ')' => depth -= 1,
+                    '{' if depth == 0 && open.is_none() => {
+                        open = Some(i + 1);
+                        depth = 0;
+                    }
+                    _ => {}
+                }
+                if open.is_some() {
+                    break;
+                }
+            }
+            let open = open.expect("a kernel body");
+            let mut braces = 1;
+            let end = rest[open..]
+                .char_indices()
+                .find_map(|(i, ch)| {
+                    match ch {
+                        '{' => braces += 1,
+                        '}' => braces -= 1,
+                        _ => {}
+                    }
+                    (braces == 0).then_some(open + i)
+                })
+                .expect("a closed kernel body");
+            bodies.push(&rest[open..end]);
+        }
+        bodies
+    }
+
+    /// Every kernel is launched as a programmatic dependent launch, so each
+    /// must wait for the kernels ahead of it before anything else
+    /// (common.cuh): only prefetches of its own weights may come first.
+    #[test]
+    fn every_kernel_waits_for_the_kernels_ahead_first() {
+        let mut kernels = 0;
+        for file in KERNEL_FILES {
+            let names = kernel_names(file.source);
+            let bodies = kernel_bodies(file.source);
+            assert_eq!(names.len(), bodies.len(), "{}", file.name);
+            for (name, body) in names.iter().zip(bodies) {
+                let before = body
+                    .split_once("wait_for_previous_kernels();")
+                    .unwrap_or_else(|| panic!("{}: {name} never waits", file.name))
+                    .0;
+                for statement in before.split(';').map(str::trim).filter(|s| !s.is_empty()) {
+                    assert!(
+                        statement.split('(').next().unwrap().contains("prefetch"),
+                        "{}: {name} does `{statement}` before it waits",
+                        file.name
+                    );
+                }
+                kernels += 1;
+            }
+        }
+        assert!(kernels > 30, "{kernels} kernels");
+        // The check itself: a body that reads before it waits is caught.
+        let bad = "extern \"C\" __global__ void k(int* p) {\n    p[0] = 1;\n    wait_for_previous_kernels();\n}";
+        let body = kernel_bodies(bad)[0];
+        assert!(
+            body.split_once("wait_for_previous_kernels();")
+                .unwrap()
+                .0
+                .contains("p[0] = 1")
         );
     }
 
