@@ -67,29 +67,23 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, u32 a0, u32 a1, u32 a2,
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Programmatic dependent launch (sm_90 on). Gpu::launch lets a kernel start
-// before the one ahead of it on the stream has finished, so that its launch
-// and its blocks' start overlap that kernel's tail (a batch-1 decode step is
-// ~260 launches, each of a few microseconds). The rule that keeps it correct:
-// every kernel calls wait_for_previous_kernels() first, on every path, before
-// it touches anything another kernel reads or writes; only its own weights
-// may be prefetched before. The wait returns once every kernel before it on
-// the stream has finished and its writes are visible (so a kernel's end
-// implies the end of all before it); then it lets the next kernel's blocks
-// start, which wait in turn. A plain launch makes both instructions no-ops.
-// A test (compute::cuda::nvrtc) checks that every kernel calls it.
+// Programmatic dependent launch (sm_90 on). Outside CUDA graphs, Gpu::launch
+// lets a kernel start before the one ahead of it on the stream has finished,
+// so that its launch and its blocks' start overlap that kernel's tail (a step
+// with a prefill chunk runs eagerly: ~260 launches at batch 1). The rule that
+// keeps it correct: every kernel calls wait_for_previous_kernels() first, on
+// every path, before it touches anything another kernel reads or writes. The
+// wait returns once every kernel before it on the stream has finished and
+// its writes are visible (so a kernel's end implies the end of all before
+// it); then it lets the next kernel's blocks start, which wait in turn. A
+// plain launch makes both instructions no-ops. A test (compute::cuda::device)
+// checks that every kernel calls it first. (Measured and not kept: the same
+// inside decode graphs, 2% slower at batch 1; GEMVs prefetching their first
+// weights into L2 before the wait, 13% slower; BENCHMARKS.md.)
 __device__ __forceinline__ void wait_for_previous_kernels() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// Starts bringing `bytes` at `p` into L2 (both multiples of 16): a kernel's
-// weights, requested before wait_for_previous_kernels().
-__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 #endif
 }
 

@@ -369,31 +369,21 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
 // Blocks an SM (fp4.rs asks the driver how many fit and launches as many):
 // 3, at up to 80 registers (at 64, for 4, the second token tile's
 // accumulators and x spill, and the 8-token kernel recomputes more).
-// Before the GEMV waits for the kernels ahead of it (common.cuh): the codes
-// of the block's first tile of 16 rows on their way into L2.
-__device__ __forceinline__ void fp4_prefetch_first_tile(const unsigned char* codes, int rows, int cols) {
-    const int row = blockIdx.y * 16 + threadIdx.x;
-    if (threadIdx.x < 16 && row < rows && (cols & 31) == 0) prefetch_l2(codes + (u64)row * (cols >> 1), (u32)cols >> 1);
-}
 #define FP4_GEMV_N8 __launch_bounds__(GEMV_WARPS * 32, 3)
 #define FP4_GEMV_N16 __launch_bounds__(GEMV_WARPS * 32, 3)
 extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_mx_n8(FP4_ARGS) {
-    fp4_prefetch_first_tile(codes, rows, cols);
     wait_for_previous_kernels();
     fp4_gemv<false, 1>(FP4_PASS);
 }
 extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_mx_n16(FP4_ARGS) {
-    fp4_prefetch_first_tile(codes, rows, cols);
     wait_for_previous_kernels();
     fp4_gemv<false, 2>(FP4_PASS);
 }
 extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_nv_n8(FP4_ARGS) {
-    fp4_prefetch_first_tile(codes, rows, cols);
     wait_for_previous_kernels();
     fp4_gemv<true, 1>(FP4_PASS);
 }
 extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_nv_n16(FP4_ARGS) {
-    fp4_prefetch_first_tile(codes, rows, cols);
     wait_for_previous_kernels();
     fp4_gemv<true, 2>(FP4_PASS);
 }

@@ -101,35 +101,22 @@ __device__ __forceinline__ void gemv(const bf16* __restrict__ w, const bf16* __r
     }
 }
 
-// Before a kernel waits for the ones ahead of it (common.cuh): rows row0 +
-// r * row_step (r < ROWS) of w on their way into L2, so that the first wave
-// of blocks has weights arriving while the kernel before still runs.
-template <int ROWS>
-__device__ __forceinline__ void gemv_prefetch_rows(const bf16* w, int row0, int row_step, int rows, int cols) {
-    const int r = threadIdx.x, row = row0 + r * row_step;
-    if (r < ROWS && row < rows) prefetch_l2(w + (u64)row * cols, (u32)cols * 2);
-}
-
 // Rows per block: N=1: 2, N=2: 4, N=4: 4, N=8: 8 (keep in step with device.rs).
 #define GEMV_ARGS const bf16 *__restrict__ w, const bf16 *__restrict__ x, float *__restrict__ y, int n, int rows, \
                   int cols, int accumulate
 extern "C" __global__ void __launch_bounds__(128) gemv_bf16_n1(GEMV_ARGS) {
-    gemv_prefetch_rows<2>(w, blockIdx.x * 2, 1, rows, cols);
     wait_for_previous_kernels();
     gemv<1, 2, 4>(w, x, y, n, rows, cols, accumulate);
 }
 extern "C" __global__ void __launch_bounds__(128) gemv_bf16_n2(GEMV_ARGS) {
-    gemv_prefetch_rows<4>(w, blockIdx.x * 4, 1, rows, cols);
     wait_for_previous_kernels();
     gemv<2, 4, 2>(w, x, y, n, rows, cols, accumulate);
 }
 extern "C" __global__ void __launch_bounds__(128) gemv_bf16_n4(GEMV_ARGS) {
-    gemv_prefetch_rows<4>(w, blockIdx.x * 4, 1, rows, cols);
     wait_for_previous_kernels();
     gemv<4, 4, 2>(w, x, y, n, rows, cols, accumulate);
 }
 extern "C" __global__ void __launch_bounds__(128) gemv_bf16_n8(GEMV_ARGS) {
-    gemv_prefetch_rows<8>(w, blockIdx.x * 8, 1, rows, cols);
     wait_for_previous_kernels();
     gemv<8, 8, 1>(w, x, y, n, rows, cols, accumulate);
 }
@@ -142,7 +129,6 @@ extern "C" __global__ void __launch_bounds__(128) gemv_rope_n1(
     const bf16* __restrict__ w, const bf16* __restrict__ x, int rows, int cols, const int* __restrict__ positions,
     const int* __restrict__ slots, bf16* __restrict__ q_out, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
     int n_heads, int n_kv_heads, int head_dim, float theta) {
-    gemv_prefetch_rows<2>(w, blockIdx.x * 2, 1, rows, cols);
     wait_for_previous_kernels();
     __shared__ float partial[GEMV_THREADS / 32][2][1];
     const int row0 = blockIdx.x * 2;
@@ -158,7 +144,6 @@ extern "C" __global__ void __launch_bounds__(128) gemv_rope_n1(
 // blocks.
 extern "C" __global__ void __launch_bounds__(128) gemv_swiglu_n1(
     const bf16* __restrict__ w, const bf16* __restrict__ x, int ffn, int cols, bf16* __restrict__ out) {
-    gemv_prefetch_rows<2>(w, blockIdx.x, ffn, 2 * ffn, cols);
     wait_for_previous_kernels();
     __shared__ float partial[GEMV_THREADS / 32][2][1];
     gemv_block_sums<1, 2, 4>(w, x, 1, blockIdx.x, ffn, 2 * ffn, cols, partial);
