@@ -11,7 +11,7 @@
 // head (GQA) for every query token of its item. Decode launches (one query
 // token per item, `attention_decode_mma_*`: K and V read straight into
 // tensor-core fragments) split the keys across blocks (flash-decoding) and
-// the last block of a (token, KV head) to finish merges the splits; prefill launches
+// `attention_combine` merges the splits; prefill launches
 // (`attention_prefill_*`: R = n_q * group rows, at most MAXR, K and V tiles in
 // shared memory) use items of several query tokens and one split.
 //
@@ -23,7 +23,7 @@ __device__ __forceinline__ void attention_tile_loop(
     const bf16* __restrict__ q, const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
     const int* __restrict__ tables, int max_blocks, int block_size, const int* __restrict__ items,
     int n_heads, int n_kv_heads, float scale, int n_splits, const int* __restrict__ keys_per_split_at,
-    bf16* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml, int* __restrict__ splits_done) {
+    bf16* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* qs = (float*)smem_raw;                 // MAXR x HD, pre-scaled
     float* ps = qs + MAXR * HD;                   // MAXR x KT scores, then probabilities
@@ -163,13 +163,13 @@ __device__ __forceinline__ void attention_tile_loop(
         const int *__restrict__ tables, int max_blocks, int block_size, const int *__restrict__ items,     \
         int n_heads, int n_kv_heads, float scale, int n_splits, const int *__restrict__ keys_per_split_at,      \
         bf16 *__restrict__ out, \
-        float *__restrict__ part_acc, float *__restrict__ part_ml, int *__restrict__ splits_done
+        float *__restrict__ part_acc, float *__restrict__ part_ml
 #define ATTN_PASS q, k_cache, v_cache, tables, max_blocks, block_size, items, n_heads, n_kv_heads, scale, \
-                  n_splits, keys_per_split_at, out, part_acc, part_ml, splits_done
+                  n_splits, keys_per_split_at, out, part_acc, part_ml
 
 // The end of a decode block: its warps' (m, l, acc) of each of the group's
 // heads, in shared memory, merged in warp order, then written as the output
-// (one split) or as this split's partials for decode_combine_if_last.
+// (one split) or as this split's partials for attention_combine.
 template <int HD, int G, int WARPS>
 __device__ __forceinline__ void decode_merge_warps(const float (*sm_m)[G], const float (*sm_l)[G],
                                                    const float (*sm_acc)[G][HD], int group, int q_row, int kvh,
@@ -201,84 +201,6 @@ __device__ __forceinline__ void decode_merge_warps(const float (*sm_m)[G], const
             }
         }
     }
-}
-
-// Merges the splits of (token, head) in one warp: out = sum_s acc_s
-// e^(m_s - M) / sum_s l_s e^(m_s - M), lane i writing dims i, i + 32, ...
-// The loads are issued before their values are needed: the splits' maxima a
-// split a lane, their weights into shared memory 32 splits at a time, then
-// each dim's partials (a split's row a coalesced warp load), 8 splits deep.
-// The partials come from other blocks of the same launch: loaded past L1
-// (ld.global.cg), which is not coherent between SMs. The sums are in split
-// order for a given split count, and empty splits (m = -inf) add exact
-// zeros, so a sequence's result does not depend on the longest sequence in
-// the batch (batch invariance).
-template <int HD>
-__device__ __forceinline__ void combine_splits(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-                                               u64 token, int head, int n_heads, int n_splits, bf16* __restrict__ out,
-                                               float* weight) {
-    constexpr int DL = HD / 32;
-    const int lane = threadIdx.x & 31;
-    const u64 base = (token * n_heads + head) * n_splits;
-    float m = NEG_INF;
-    for (int s = lane; s < n_splits; s += 32) m = fmaxf(m, __ldcg(part_ml + 2 * (base + s)));
-    m = warp_max(m);
-    float l = 0.0f, a[DL];
-#pragma unroll
-    for (int j = 0; j < DL; j++) a[j] = 0.0f;
-    for (int s0 = 0; s0 < n_splits; s0 += 32) {
-        const int s = s0 + lane;
-        float w = 0.0f;
-        if (s < n_splits && m != NEG_INF) {
-            const float2 ml = __ldcg((const float2*)(part_ml + 2 * (base + s)));
-            if (ml.x != NEG_INF) {
-                w = expf(ml.x - m);
-                l += ml.y * w;
-            }
-        }
-        weight[lane] = w;
-        __syncwarp();
-        const int count = min(32, n_splits - s0);
-        const float* acc = part_acc + (base + s0) * HD + lane;
-#pragma unroll 8
-        for (int k = 0; k < count; k++)
-#pragma unroll
-            for (int j = 0; j < DL; j++) a[j] = fmaf(__ldcg(acc + (u64)k * HD + 32 * j), weight[k], a[j]);
-        __syncwarp();
-    }
-    l = warp_sum(l);
-    bf16* o = out + (token * n_heads + head) * HD + lane;
-#pragma unroll
-    for (int j = 0; j < DL; j++) o[32 * j] = f32_to_bf16(l > 0.0f ? a[j] / l : 0.0f);
-}
-
-// After a decode block of several splits has written its partials: the last
-// of the (token, KV head)'s split blocks to finish merges them, a head of the
-// group a warp (combine_splits), so that no second launch is needed (it cost
-// ~3 us a layer at batch 1). splits_done[token * n_kv_heads + kvh] counts the
-// blocks done (a fence first makes each block's partials visible GPU-wide
-// before it counts itself); the last one sets it back to 0 for the next launch.
-template <int HD, int WARPS>
-__device__ __forceinline__ void decode_combine_if_last(const float* __restrict__ part_acc,
-                                                       const float* __restrict__ part_ml,
-                                                       int* __restrict__ splits_done, int q_row, int kvh, int group,
-                                                       int n_heads, int n_kv_heads, int n_splits,
-                                                       bf16* __restrict__ out) {
-    __shared__ int last;
-    __shared__ float weight[WARPS][32];
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int* done = splits_done + (u64)q_row * n_kv_heads + kvh;
-        last = atomicAdd(done, 1) == n_splits - 1;
-        if (last) *done = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const int warp = threadIdx.x >> 5;
-    for (int g = warp; g < group; g += WARPS)
-        combine_splits<HD>(part_acc, part_ml, q_row, kvh * group + g, n_heads, n_splits, out, weight[warp]);
 }
 
 // Decode on the tensor cores (mma.sync m16n8k16, BF16 in, f32 out): one
@@ -444,9 +366,6 @@ __device__ __forceinline__ void attention_decode_mma(ATTN_ARGS) {
     __syncthreads();
     decode_merge_warps<HD, G, WARPS>(sm_m, sm_l, sm_acc, group, q_row, kvh, split, n_heads, n_splits, out, part_acc,
                                      part_ml);
-    if (n_splits > 1)
-        decode_combine_if_last<HD, WARPS>(part_acc, part_ml, splits_done, q_row, kvh, group, n_heads, n_kv_heads,
-                                          n_splits, out);
 }
 
 // Groups of up to 8 query heads a KV head.
@@ -466,4 +385,49 @@ extern "C" __global__ void __launch_bounds__(256) attention_prefill_hd64(ATTN_AR
 extern "C" __global__ void __launch_bounds__(256) attention_prefill_hd128(ATTN_ARGS) {
     wait_for_previous_kernels();
     attention_tile_loop<128, 64, 256, 64>(ATTN_PASS);
+}
+
+// Merges the splits of a decode launch: for each (token, head) of rows[],
+// out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M). Grid (row, head),
+// head_dim threads (at most 128), thread d writing dim d. Every load is
+// issued before its value is needed: the splits' maxima a split a thread,
+// their weights into shared memory head_dim splits at a time, then each
+// dim's partials 8 at a time (a loop that loaded and used one split at a
+// time waited on memory 34 times at 17 splits: 3.8 us a layer at batch 1).
+// The sums are in split order for a given split count, and empty splits
+// (m = -inf) add exact zeros, so a sequence's result does not depend on the
+// longest sequence in the batch (batch invariance).
+extern "C" __global__ void __launch_bounds__(128) attention_combine(
+    const float* __restrict__ part_acc, const float* __restrict__ part_ml, const int* __restrict__ rows,
+    int n_heads, int head_dim, int n_splits, bf16* __restrict__ out) {
+    wait_for_previous_kernels();
+    __shared__ float weight[128];
+    __shared__ float scratch[32];
+    const u64 token = rows[blockIdx.x];
+    const int head = blockIdx.y, d = threadIdx.x;
+    const u64 base = (token * n_heads + head) * n_splits;
+    float m = NEG_INF;
+    for (int s = d; s < n_splits; s += head_dim) m = fmaxf(m, part_ml[2 * (base + s)]);
+    m = block_max(m, scratch);
+    float l = 0.0f, a = 0.0f;
+    for (int s0 = 0; s0 < n_splits; s0 += head_dim) {
+        const int s = s0 + d;
+        float w = 0.0f;
+        if (s < n_splits && m != NEG_INF) {
+            const float2 ml = *(const float2*)(part_ml + 2 * (base + s));
+            if (ml.x != NEG_INF) {
+                w = expf(ml.x - m);
+                l += ml.y * w;
+            }
+        }
+        weight[d] = w;
+        __syncthreads();
+        const int count = min(head_dim, n_splits - s0);
+        const float* acc = part_acc + (base + s0) * head_dim + d;
+#pragma unroll 8
+        for (int k = 0; k < count; k++) a = fmaf(acc[(u64)k * head_dim], weight[k], a);
+        __syncthreads();
+    }
+    l = block_sum(l, scratch);
+    out[token * n_heads * head_dim + head * head_dim + d] = f32_to_bf16(l > 0.0f ? a / l : 0.0f);
 }

@@ -550,6 +550,7 @@ mod tests {
                 "attention_decode_mma_hd128",
                 "attention_prefill_hd64",
                 "attention_prefill_hd128",
+                "attention_combine"
             ]
         );
         let names = kernel_names(include_str!("../../../../kernels/layers.cu"));
@@ -615,7 +616,8 @@ mod tests {
             assert_eq!(names.len(), bodies.len(), "{}", file.name);
             for (name, body) in names.iter().zip(bodies) {
                 assert!(
-                    body.trim_start().starts_with("wait_for_previous_kernels();"),
+                    body.trim_start()
+                        .starts_with("wait_for_previous_kernels();"),
                     "{}: {name} does not wait first: {}",
                     file.name,
                     body.trim_start().lines().next().unwrap_or_default()

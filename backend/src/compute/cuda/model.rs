@@ -596,7 +596,6 @@ pub(crate) fn launch_attention(
 ) -> Result<(), GpuError> {
     let hd = c.head_dim;
     let (part_acc, part_ml) = (gpu.ptr(&ws.part_acc, 0), gpu.ptr(&ws.part_ml, 0));
-    let splits_done = gpu.ptr(&ws.splits_done, 0);
     let (max_blocks, block_size) = (plan.max_blocks as i32, plan.block_size as i32);
     let (n_heads, n_kv_heads) = (c.n_heads as i32, c.n_kv_heads as i32);
     let scale = 1.0 / (hd as f32).sqrt();
@@ -632,7 +631,6 @@ pub(crate) fn launch_attention(
                 &out,
                 &part_acc,
                 &part_ml,
-                &splits_done,
             ],
         )
     };
@@ -646,6 +644,21 @@ pub(crate) fn launch_attention(
             splits,
             meta.decode_keys_per_split,
         )?;
+        if splits > 1 {
+            gpu.launch(
+                "attention_combine",
+                grid((decode_items as u32, c.n_heads as u32, 1), hd as u32, 0),
+                &[
+                    &part_acc,
+                    &part_ml,
+                    &meta.decode_rows,
+                    &n_heads,
+                    &(hd as i32),
+                    &(splits as i32),
+                    &out,
+                ],
+            )?;
+        }
     }
     let prefill_items = plan.prefill_items.len() / 4;
     if prefill_items > 0 {
@@ -794,9 +807,6 @@ pub struct Workspace {
     argmax: CudaSlice<i32>,
     part_acc: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
-    /// Per (token, KV head): how many of its decode splits are done (the
-    /// last to finish merges them, attention.cu; it leaves 0 behind).
-    splits_done: CudaSlice<i32>,
     meta: CudaSlice<i32>,
     /// BF16 scratch for one FP4 matrix (steps of many tokens, fast numerics).
     dequant: CudaSlice<Bf16>,
@@ -856,7 +866,6 @@ impl Workspace {
             argmax: gpu.alloc(1)?,
             part_acc: gpu.alloc(1)?,
             part_ml: gpu.alloc(1)?,
-            splits_done: gpu.alloc(1)?,
             meta: gpu.alloc(1)?,
             dequant: gpu.alloc(1)?,
             fp4_part: gpu.alloc(1)?,
@@ -930,7 +939,6 @@ impl Workspace {
             self.act = gpu.alloc(n * ffn)?;
             self.part_acc = gpu.alloc(n * c.n_heads * s * c.head_dim)?;
             self.part_ml = gpu.alloc(n * c.n_heads * s * 2)?;
-            self.splits_done = gpu.alloc(n * c.n_kv_heads)?;
             self.tokens = n;
             self.splits = s;
         }

@@ -30,6 +30,7 @@ pub(crate) struct MetaPtrs {
     pub slots: DevPtr,
     pub tables: DevPtr,
     pub decode_items: DevPtr,
+    pub decode_rows: DevPtr,
     pub prefill_items: DevPtr,
     pub logit_rows: DevPtr,
     /// The buffer was reallocated (addresses captured in graphs are stale).
@@ -58,7 +59,6 @@ pub(crate) struct StepPlan {
     pub block_size: usize,
     /// {seq, q_row, n_q, q_pos} per item.
     pub decode_items: Vec<i32>,
-    /// The batch row of each decode token.
     pub decode_rows: Vec<i32>,
     pub prefill_items: Vec<i32>,
     pub decode_splits: usize,
@@ -158,18 +158,19 @@ impl StepPlan {
         meta: &mut CudaSlice<i32>,
     ) -> Result<MetaPtrs, GpuError> {
         let params = [self.decode_keys_per_split as i32, i32::MAX, 0, 0];
-        let parts: [&[i32]; 8] = [
+        let parts: [&[i32]; 9] = [
             &params,
             &self.tokens,
             &self.positions,
             &self.slots,
             &self.tables,
             &self.decode_items,
+            &self.decode_rows,
             &self.prefill_items,
             &self.logit_rows,
         ];
         let mut all = Vec::with_capacity(parts.iter().map(|p| p.len() + 4).sum());
-        let mut offsets = [0usize; 8];
+        let mut offsets = [0usize; 9];
         for (i, part) in parts.iter().enumerate() {
             offsets[i] = all.len();
             all.extend_from_slice(part);
@@ -191,8 +192,9 @@ impl StepPlan {
             slots: at(3),
             tables: at(4),
             decode_items: at(5),
-            prefill_items: at(6),
-            logit_rows: at(7),
+            decode_rows: at(6),
+            prefill_items: at(7),
+            logit_rows: at(8),
             grown,
         })
     }
