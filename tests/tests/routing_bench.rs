@@ -57,6 +57,13 @@ fn a_tiny_routing_bench_runs_end_to_end() {
             .map(|p| p["requests"].as_u64().unwrap())
             .sum();
         assert_eq!(requests, run["requests"].as_u64().unwrap(), "{run}");
+        // TTFT by the same parts: every answered request in one of them.
+        let ttft = run["ttft_by_part"].as_object().expect("a TTFT split");
+        let timed: u64 = ttft.values().map(|p| p["requests"].as_u64().unwrap()).sum();
+        let answered = run["requests"].as_u64().unwrap() - run["errors"].as_u64().unwrap();
+        assert_eq!(timed, answered, "{run}");
+        let first = &ttft["first_turns"];
+        assert!(first["p90_ms"].as_f64().unwrap() >= first["p50_ms"].as_f64().unwrap());
     }
     let sticky = runs
         .iter()

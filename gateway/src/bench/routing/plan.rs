@@ -182,10 +182,7 @@ impl Plan {
             .enumerate()
             .map(|(i, r)| ((r.session, r.turn), i))
             .collect();
-        let worker_of: HashMap<(usize, usize), &str> = records
-            .iter()
-            .filter_map(|r| Some(((r.session, r.turn), r.worker.as_deref()?)))
-            .collect();
+        let worker_of = workers_by_turn(records);
         // (requests, oracle's cached minus the run's) per part.
         let mut parts: BTreeMap<&str, (usize, i64)> = BTreeMap::new();
         let mut prompt_tokens = 0u64;
@@ -195,14 +192,7 @@ impl Plan {
                 continue;
             };
             prompt_tokens += self.requests[i].prompt_tokens as u64;
-            let part = match (r.turn, worker_of.get(&(r.session, r.turn))) {
-                (0, _) => "first_turns",
-                (_, None) => "unnamed",
-                (t, Some(w)) => match worker_of.get(&(r.session, t - 1)) {
-                    Some(previous) if previous == w => "stayed",
-                    _ => "moved",
-                },
-            };
+            let part = part_of(r, &worker_of);
             let entry = parts.entry(part).or_default();
             entry.0 += 1;
             entry.1 += oracle[i] as i64 - cached as i64;
@@ -215,6 +205,29 @@ impl Plan {
                     part.to_string(),
                     json!({"requests": requests, "share": short as f64 / total}),
                 )
+            })
+            .collect::<serde_json::Map<_, _>>()
+            .into()
+    }
+
+    /// TTFT (modelled ms) of the run's answered requests by the same parts
+    /// as [`Self::shortfall`]: where a router's slow first tokens come from.
+    pub fn ttft_by_part(records: &[RequestRecord], time_scale: f64) -> serde_json::Value {
+        let worker_of = workers_by_turn(records);
+        let mut parts: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+        for r in records.iter().filter(|r| r.error.is_none()) {
+            if let Some(ttft) = r.ttft {
+                let ms = ttft / time_scale * 1000.0;
+                parts.entry(part_of(r, &worker_of)).or_default().push(ms);
+            }
+        }
+        parts
+            .into_iter()
+            .map(|(part, mut ms)| {
+                ms.sort_by(f64::total_cmp);
+                let p = |q| super::super::percentile(&ms, q);
+                let figures = json!({"requests": ms.len(), "p50_ms": p(0.5), "p90_ms": p(0.9)});
+                (part.to_string(), figures)
             })
             .collect::<serde_json::Map<_, _>>()
             .into()
@@ -244,5 +257,27 @@ impl Plan {
             })
             .sum();
         workers as f64 * self.requests.len() as f64 / busy.max(f64::MIN_POSITIVE)
+    }
+}
+
+/// The worker that served each (session, turn), where the router named it.
+fn workers_by_turn(records: &[RequestRecord]) -> HashMap<(usize, usize), &str> {
+    records
+        .iter()
+        .filter_map(|r| Some(((r.session, r.turn), r.worker.as_deref()?)))
+        .collect()
+}
+
+/// A record's part: first turns; later turns served by the worker that
+/// served the session's previous turn (`stayed`), by another (`moved`), or
+/// by a worker the router did not name (`unnamed`: peers).
+fn part_of(r: &RequestRecord, worker_of: &HashMap<(usize, usize), &str>) -> &'static str {
+    match (r.turn, worker_of.get(&(r.session, r.turn))) {
+        (0, _) => "first_turns",
+        (_, None) => "unnamed",
+        (t, Some(w)) => match worker_of.get(&(r.session, t - 1)) {
+            Some(previous) if previous == w => "stayed",
+            _ => "moved",
+        },
     }
 }
