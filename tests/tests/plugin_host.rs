@@ -78,19 +78,34 @@ fn session_affinity_holds_across_instances_running_side_by_side() {
     let slot = router.slot().clone();
     // Threads calling at once (released together each round) make the slot
     // run several instances; each sees made-up fleets in which KV-aware
-    // alone would pick anywhere.
+    // alone would pick anywhere. Whether two calls overlap is up to the OS
+    // (on a busy 2-core machine, 300 rounds once ran on one instance), so
+    // the rounds go on past 300 until the slot has run several, at most
+    // 5,000; after each round, once all four calls are back, one thread
+    // looks, and all four see the answer before the next round.
     let together = Arc::new(std::sync::Barrier::new(4));
+    let several = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let threads: Vec<_> = (0..4u64)
         .map(|t| {
             let (router, together) = (router.clone(), together.clone());
+            let (slot, several) = (slot.clone(), several.clone());
             std::thread::spawn(move || {
                 let mut picks = Vec::new();
-                for round in 0..300u64 {
+                for round in 0..5_000u64 {
                     together.wait();
                     let mut r = request(40);
                     r.session_hash = 1 + round % 25;
-                    let f = fleet(8, t * 1_000 + round);
+                    let f = fleet(8, t * 10_000 + round);
                     picks.push((r.session_hash, router.route(&r, &f)));
+                    if together.wait().is_leader()
+                        && slot.with_current(|g| g.idle_instances()).unwrap_or(0) >= 2
+                    {
+                        several.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    together.wait();
+                    if round + 1 >= 300 && several.load(std::sync::atomic::Ordering::Relaxed) {
+                        break;
+                    }
                 }
                 picks
             })
