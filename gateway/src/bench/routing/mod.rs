@@ -399,7 +399,7 @@ pub fn run_routing_bench(
                 let mut fig = serde_json::to_value(&figures).unwrap_or_default();
                 fig["answers_unlike_plan"] = json!(unexpected);
                 fig["hit_shortfall"] = prepared.plan.shortfall(sessions, &records);
-                fig["ttft_by_part"] = plan::Plan::ttft_by_part(&records, options.time_scale);
+                fig["ttft_by_part"] = plan::ttft_by_part(&records, options.time_scale);
                 if let Some(e) = records.iter().find_map(|r| r.error.as_ref()) {
                     fig["first_error"] = json!(e);
                 }

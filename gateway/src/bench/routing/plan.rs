@@ -210,29 +210,6 @@ impl Plan {
             .into()
     }
 
-    /// TTFT (modelled ms) of the run's answered requests by the same parts
-    /// as [`Self::shortfall`]: where a router's slow first tokens come from.
-    pub fn ttft_by_part(records: &[RequestRecord], time_scale: f64) -> serde_json::Value {
-        let worker_of = workers_by_turn(records);
-        let mut parts: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
-        for r in records.iter().filter(|r| r.error.is_none()) {
-            if let Some(ttft) = r.ttft {
-                let ms = ttft / time_scale * 1000.0;
-                parts.entry(part_of(r, &worker_of)).or_default().push(ms);
-            }
-        }
-        parts
-            .into_iter()
-            .map(|(part, mut ms)| {
-                ms.sort_by(f64::total_cmp);
-                let p = |q| super::super::percentile(&ms, q);
-                let figures = json!({"requests": ms.len(), "p50_ms": p(0.5), "p90_ms": p(0.9)});
-                (part.to_string(), figures)
-            })
-            .collect::<serde_json::Map<_, _>>()
-            .into()
-    }
-
     /// Requests per second (modelled time) that keep `workers` workers fully
     /// busy when every reusable prefix is cached: per request, the prefill of
     /// its uncached tokens, plus its decode tokens at the reference batch
@@ -258,6 +235,26 @@ impl Plan {
             .sum();
         workers as f64 * self.requests.len() as f64 / busy.max(f64::MIN_POSITIVE)
     }
+}
+
+/// TTFT (modelled ms) of a run's answered requests by the same parts as
+/// [`Plan::shortfall`]: where a router's slow first tokens come from.
+pub fn ttft_by_part(records: &[RequestRecord], time_scale: f64) -> serde_json::Value {
+    let worker_of = workers_by_turn(records);
+    let mut parts: BTreeMap<&str, Vec<&RequestRecord>> = BTreeMap::new();
+    for r in records {
+        parts.entry(part_of(r, &worker_of)).or_default().push(r);
+    }
+    parts
+        .into_iter()
+        .filter_map(|(part, records)| {
+            let ms = super::report::sorted_ttft_ms(records.into_iter(), time_scale);
+            let p = |q| super::super::percentile(&ms, q);
+            let figures = json!({"requests": ms.len(), "p50_ms": p(0.5), "p90_ms": p(0.9)});
+            (!ms.is_empty()).then(|| (part.to_string(), figures))
+        })
+        .collect::<serde_json::Map<_, _>>()
+        .into()
 }
 
 /// The worker that served each (session, turn), where the router named it.

@@ -131,6 +131,21 @@ pub fn plot(runs: &[RunFigures], trace: &str, path: &std::path::Path) -> Result<
     Ok(())
 }
 
+/// The TTFTs of the answered requests among `records`, in modelled ms,
+/// sorted (for `percentile`).
+pub fn sorted_ttft_ms<'a>(
+    records: impl Iterator<Item = &'a RequestRecord>,
+    time_scale: f64,
+) -> Vec<f64> {
+    let mut ms: Vec<f64> = records
+        .filter(|r| r.error.is_none())
+        .filter_map(|r| r.ttft)
+        .map(|s| s / time_scale * 1000.0)
+        .collect();
+    ms.sort_by(f64::total_cmp);
+    ms
+}
+
 /// Turns records and worker counters into modelled-time figures.
 pub fn figures(
     records: &[RequestRecord],
@@ -143,8 +158,7 @@ pub fn figures(
 ) -> RunFigures {
     let ok: Vec<&RequestRecord> = records.iter().filter(|r| r.error.is_none()).collect();
     let ms = |s: f64| s / time_scale * 1000.0;
-    let mut ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft).map(ms).collect();
-    ttft.sort_by(f64::total_cmp);
+    let ttft = sorted_ttft_ms(records.iter(), time_scale);
     let mut e2e: Vec<f64> = ok.iter().map(|r| ms(r.e2e)).collect();
     e2e.sort_by(f64::total_cmp);
     let modelled_span = span_s / time_scale;
