@@ -565,7 +565,7 @@ fn disaggregated_engines_on_the_gpu_equal_aggregated() {
             let reserved = decode.reserve_kv(request.clone()).await.unwrap();
             let (mut rx, handle, from_block) =
                 (reserved.events, reserved.handle, reserved.from_block);
-            let (_, _events, kv) = prefill.submit_prefill(request.clone(), from_block);
+            let (_, _events, kv) = prefill.submit_prefill(request.clone(), from_block, None);
             let target = KvTarget {
                 addr: addr.clone(),
                 handle,

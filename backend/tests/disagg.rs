@@ -86,7 +86,7 @@ async fn disaggregated(
 ) -> (Vec<u32>, u32) {
     let (mut rx, handle, from_block, blocks) = reserve(decode, request).await;
     if blocks > 0 {
-        let (_, _events, kv) = prefill.submit_prefill(request.clone(), from_block);
+        let (_, _events, kv) = prefill.submit_prefill(request.clone(), from_block, None);
         let target = KvTarget {
             addr: kv_addr.to_string(),
             handle,
@@ -222,7 +222,7 @@ async fn transfers_killed_at_random_points_leak_no_block() {
             // The prefill worker dies mid-transfer: its push (and export)
             // are dropped after a random time.
             0 => {
-                let (_, events, kv) = prefill.submit_prefill(request.clone(), from_block);
+                let (_, events, kv) = prefill.submit_prefill(request.clone(), from_block, None);
                 let push = TcpTransport::default().push(target, prefill.kv_layout, kv);
                 let after = Duration::from_millis(rng.below(40));
                 let finished = tokio::time::timeout(after, push).await;
@@ -266,7 +266,7 @@ async fn transfers_killed_at_random_points_leak_no_block() {
             3 => {}
             // The client goes away mid-transfer.
             4 => {
-                let (_, _events, kv) = prefill.submit_prefill(request.clone(), from_block);
+                let (_, _events, kv) = prefill.submit_prefill(request.clone(), from_block, None);
                 drop(rx);
                 let r = TcpTransport::default()
                     .push(target, prefill.kv_layout, kv)

@@ -24,7 +24,7 @@ use super::sampling::{Sampled, Sampler};
 use super::types::{FinishReason, GenerateEvent, GenerateRequest, Load, TokenOut, Usage};
 use crate::kv::{BlockPool, KvEvent, KvStorage, PoolUsage, hash};
 use crate::model::{Llama, Logits, SeqChunk, Tokenizer};
-use crate::transfer::{KvDtype, KvExport, KvLayout, convert};
+use crate::transfer::{DirectTarget, KvDtype, KvExport, KvLayout, KvShare, convert};
 
 /// Sizes of the engine.
 #[derive(Clone, Debug)]
@@ -88,10 +88,24 @@ pub enum KvIntake {
         data: Vec<u8>,
         dtype: KvDtype,
     },
+    /// The next blocks, in order, copied into their reserved pages by the
+    /// sender itself (a direct transfer: the pages were handed out with
+    /// [`Engine::direct_pages`]).
+    Landed { first_block: u32, n_blocks: u32 },
     /// Every block was sent: the request starts decoding.
     Done { blocks: u32 },
     /// The transfer broke: the request fails and its blocks are released.
     Abort(String),
+}
+
+/// Where a prefill-only request's finished blocks go: from block
+/// `from_block` on, as [`KvExport`]s on `out`, and first copied straight into
+/// the decode worker's cache where `direct` names it.
+#[derive(Debug)]
+struct ExportTo {
+    from_block: u32,
+    out: tmpsc::UnboundedSender<KvExport>,
+    direct: Option<DirectTarget>,
 }
 
 enum Command {
@@ -99,8 +113,13 @@ enum Command {
         id: u64,
         request: GenerateRequest,
         out: tmpsc::UnboundedSender<GenerateEvent>,
-        /// Prefill only: (first block wanted, where finished blocks go).
-        export: Option<(u32, tmpsc::UnboundedSender<KvExport>)>,
+        /// Prefill only: where finished blocks go.
+        export: Option<ExportTo>,
+    },
+    /// The reserved pages of an import, for a direct transfer.
+    Pages {
+        handle: u64,
+        reply: tokio::sync::oneshot::Sender<Result<DirectTarget, String>>,
     },
     Kv {
         handle: u64,
@@ -127,6 +146,9 @@ pub struct Engine {
     pub tokenizer: Arc<Tokenizer>,
     /// How this engine's KV blocks look on the wire.
     pub kv_layout: KvLayout,
+    /// Its cache as other processes of the node may write into it (direct
+    /// transfers), where the executor allows that.
+    pub kv_share: Option<KvShare>,
 }
 
 impl Engine {
@@ -160,6 +182,7 @@ impl Engine {
         let (kv_events, _) = broadcast::channel(4096);
         let (context, vocab) = (executor.context(), executor.vocab());
         let kv_layout = executor.kv_layout();
+        let kv_share = executor.kv_share();
         let core = Core {
             pool: BlockPool::new(config.kv_blocks),
             executor,
@@ -190,6 +213,7 @@ impl Engine {
             vocab,
             tokenizer,
             kv_layout,
+            kv_share,
         }
     }
 
@@ -207,25 +231,53 @@ impl Engine {
     /// prefilled, and the blocks from `from_block` on come out on the second
     /// receiver as each step finishes them. Events: `started`, then
     /// `finished` (no tokens) once every block has been handed over, or
-    /// `error`. Dropping either receiver cancels the request.
+    /// `error`. Dropping either receiver cancels the request. With `direct`
+    /// (a decode worker's pages on this node, from [`KvTransport::direct`](
+    /// crate::transfer::KvTransport::direct)) each step's blocks are first
+    /// copied into those pages and come out `in_place`; a copy that fails
+    /// is logged and the request's blocks go as bytes from then on.
     pub fn submit_prefill(
         &self,
         request: GenerateRequest,
         from_block: u32,
+        direct: Option<DirectTarget>,
     ) -> (
         u64,
         tmpsc::UnboundedReceiver<GenerateEvent>,
         tmpsc::UnboundedReceiver<KvExport>,
     ) {
-        let (kv_out, kv_rx) = tmpsc::unbounded_channel();
-        let (id, rx) = self.submit_as(request, Some((from_block, kv_out)));
+        let (out, kv_rx) = tmpsc::unbounded_channel();
+        let export = ExportTo {
+            from_block,
+            out,
+            direct,
+        };
+        let (id, rx) = self.submit_as(request, Some(export));
         (id, rx, kv_rx)
+    }
+
+    /// The reserved pages of the `remote_prefill` request `handle` and this
+    /// engine's shared cache: where a prefill worker on this node may copy
+    /// its blocks (the import then takes [`KvIntake::Landed`] as well as
+    /// bytes). An error where the cache is not shared or no such request
+    /// waits.
+    pub async fn direct_pages(&self, handle: u64) -> Result<DirectTarget, String> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        {
+            let commands = self.commands.lock().unwrap_or_else(|e| e.into_inner());
+            commands
+                .send(Command::Pages { handle, reply })
+                .map_err(|_| "the engine has stopped".to_string())?;
+        }
+        answer
+            .await
+            .unwrap_or_else(|_| Err("the engine has stopped".into()))
     }
 
     fn submit_as(
         &self,
         request: GenerateRequest,
-        export: Option<(u32, tmpsc::UnboundedSender<KvExport>)>,
+        export: Option<ExportTo>,
     ) -> (u64, tmpsc::UnboundedReceiver<GenerateEvent>) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (out, rx) = tmpsc::unbounded_channel();
@@ -359,18 +411,22 @@ struct Seq {
 /// What a sequence does besides plain generation (disaggregation).
 enum Mode {
     Generate,
-    /// Prefill only: blocks from `next_block` on go out when finished.
+    /// Prefill only: blocks from `next_block` on go out when finished
+    /// (copied into `direct`'s pages first, where it is set).
     Export {
         next_block: usize,
         out: tmpsc::UnboundedSender<KvExport>,
+        direct: Option<DirectTarget>,
     },
     /// Blocks `from_block..to_block` come from a prefill worker; `received`
-    /// of them have landed.
+    /// of them have landed. `direct`: its pages were handed out, so blocks
+    /// may land without bytes.
     Import {
         from_block: usize,
         to_block: usize,
         received: usize,
         deadline: Instant,
+        direct: bool,
     },
 }
 
@@ -525,11 +581,16 @@ impl Core {
                 // An export prefills all but the last prompt token: the
                 // decode worker runs that one and samples.
                 let mode = match export {
-                    Some((from_block, out)) => {
+                    Some(ExportTo {
+                        from_block,
+                        out,
+                        direct,
+                    }) => {
                         request.prompt.pop();
                         Mode::Export {
                             next_block: from_block as usize,
                             out,
+                            direct,
                         }
                     }
                     None => Mode::Generate,
@@ -563,6 +624,9 @@ impl Core {
             } => {
                 let _ = reply.send(self.receive_kv(handle, intake));
             }
+            Command::Pages { handle, reply } => {
+                let _ = reply.send(self.direct_pages(handle));
+            }
             Command::Snapshot(reply) => {
                 let _ = reply.send((self.event_seq, self.pool.cached_hashes()));
             }
@@ -583,11 +647,43 @@ impl Core {
 
     /// Applies one step of a transfer into a receiving request; on any
     /// error the request fails and its blocks are released.
+    /// The pages an import's blocks go to, for a direct transfer; from then
+    /// on the import takes blocks that landed without bytes.
+    fn direct_pages(&mut self, handle: u64) -> Result<DirectTarget, String> {
+        let Some(share) = self.executor.kv_share() else {
+            return Err("this worker's KV cache cannot be written by other processes".into());
+        };
+        let seq = self
+            .receiving
+            .iter_mut()
+            .find(|s| s.id == handle)
+            .ok_or_else(|| no_import(handle))?;
+        let Mode::Import {
+            from_block,
+            to_block,
+            received,
+            direct,
+            ..
+        } = &mut seq.mode
+        else {
+            unreachable!("only imports wait in `receiving`");
+        };
+        if *received > 0 {
+            return Err("the transfer into this request has begun already".into());
+        }
+        *direct = true;
+        Ok(DirectTarget {
+            share,
+            from_block: *from_block as u32,
+            pages: seq.blocks[*from_block..*to_block].to_vec(),
+        })
+    }
+
+    /// Applies one step of a transfer into a receiving request; on any
+    /// error the request fails and its blocks are released.
     fn receive_kv(&mut self, handle: u64, intake: KvIntake) -> Result<(), String> {
         let Some(i) = self.receiving.iter().position(|s| s.id == handle) else {
-            return Err(format!(
-                "no request here is waiting for KV under handle {handle} (finished, cancelled or timed out)"
-            ));
+            return Err(no_import(handle));
         };
         let ours = self.executor.kv_layout();
         let seq = &mut self.receiving[i];
@@ -595,10 +691,28 @@ impl Core {
             from_block,
             to_block,
             received,
+            direct,
             ..
         } = &mut seq.mode
         else {
             unreachable!("only imports wait in `receiving`");
+        };
+        // Blocks `first..first + n` are next and inside the reservation.
+        let (from, to) = (*from_block, *to_block);
+        let in_order = |first: usize, n: usize, received: usize| {
+            let expected = from + received;
+            if first != expected {
+                Err(format!(
+                    "block {first} arrived where block {expected} was due"
+                ))
+            } else if first + n > to {
+                Err(format!(
+                    "blocks {first}..{} go past the reservation's end, block {to}",
+                    first + n
+                ))
+            } else {
+                Ok(())
+            }
         };
         let result = match intake {
             KvIntake::Begin(theirs) => ours.mismatch(&theirs).map_or(Ok(()), Err),
@@ -609,17 +723,9 @@ impl Core {
                 dtype,
             } => {
                 let (first, n) = (first_block as usize, n_blocks as usize);
-                let expected = *from_block + *received;
                 let bytes = n * KvLayout { dtype, ..ours }.block_bytes();
-                if first != expected {
-                    Err(format!(
-                        "block {first} arrived where block {expected} was due"
-                    ))
-                } else if first + n > *to_block {
-                    Err(format!(
-                        "blocks {first}..{} go past the reservation's end, block {to_block}",
-                        first + n
-                    ))
+                if let Err(e) = in_order(first, n, *received) {
+                    Err(e)
                 } else if data.len() != bytes {
                     Err(format!(
                         "{n} blocks came as {} bytes; they take {bytes}",
@@ -636,6 +742,20 @@ impl Core {
                     self.executor.write_kv(&seq.blocks[first..first + n], &data);
                     *received += n;
                     Ok(())
+                }
+            }
+            KvIntake::Landed {
+                first_block,
+                n_blocks,
+            } => {
+                let (first, n) = (first_block as usize, n_blocks as usize);
+                if !*direct {
+                    Err(
+                        "blocks landed in place, but this request's pages were never handed out"
+                            .into(),
+                    )
+                } else {
+                    in_order(first, n, *received).map(|()| *received += n)
                 }
             }
             KvIntake::Done { blocks } => {
@@ -676,7 +796,12 @@ impl Core {
     fn export_ready(&mut self, i: usize) -> bool {
         let bs = self.config.block_size;
         let seq = &mut self.running[i];
-        let Mode::Export { next_block, out } = &mut seq.mode else {
+        let Mode::Export {
+            next_block,
+            out,
+            direct,
+        } = &mut seq.mode
+        else {
             return true;
         };
         let ready = if seq.computed == seq.tokens.len() {
@@ -687,11 +812,32 @@ impl Core {
         if ready <= *next_block {
             return true;
         }
-        let data = self.executor.read_kv(&seq.blocks[*next_block..ready]);
+        let blocks = &seq.blocks[*next_block..ready];
+        let mut in_place = false;
+        if let Some(target) = direct {
+            let offset = *next_block - target.from_block as usize;
+            match self.executor.copy_kv_into(target, offset, blocks) {
+                Ok(()) => in_place = true,
+                Err(e) => {
+                    tracing::warn!(
+                        request = seq.id,
+                        error = %e,
+                        "cannot copy KV into the decode worker's cache; sending bytes"
+                    );
+                    *direct = None;
+                }
+            }
+        }
+        let data = if in_place {
+            Vec::new()
+        } else {
+            self.executor.read_kv(blocks)
+        };
         let sent = out.send(KvExport {
             first_block: *next_block as u32,
             n_blocks: (ready - *next_block) as u32,
             data,
+            in_place,
         });
         *next_block = ready;
         sent.is_ok()
@@ -801,6 +947,7 @@ impl Core {
                         to_block,
                         received: 0,
                         deadline: Instant::now() + self.config.kv_wait,
+                        direct: false,
                     };
                     self.receiving.push(seq);
                 } else {
@@ -1008,4 +1155,10 @@ impl Core {
             kv_blocks_total: total,
         };
     }
+}
+
+fn no_import(handle: u64) -> String {
+    format!(
+        "no request here is waiting for KV under handle {handle} (finished, cancelled or timed out)"
+    )
 }

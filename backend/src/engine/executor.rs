@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::kv::KvStorage;
 use crate::model::{Llama, SeqChunk};
-use crate::transfer::{KvDtype, KvLayout};
+use crate::transfer::{DirectTarget, KvDtype, KvLayout, KvShare};
 
 /// What a chunk of the batch gives back.
 #[derive(Clone, Debug, PartialEq)]
@@ -35,6 +35,23 @@ pub trait Executor: Send + 'static {
     /// Writes `data` (blocks in the [`KvLayout`] format, in this executor's
     /// dtype) into `blocks`.
     fn write_kv(&mut self, blocks: &[u32], data: &[u8]);
+    /// This executor's KV cache as other processes of the node may write
+    /// into it (direct transfers to this worker); `None`: bytes only.
+    fn kv_share(&self) -> Option<KvShare> {
+        None
+    }
+    /// Copies `blocks` (from `target.from_block + offset` on) straight into
+    /// the target's reserved pages, done when it returns; an error leaves
+    /// the caller to send the bytes instead.
+    fn copy_kv_into(
+        &mut self,
+        target: &DirectTarget,
+        offset: usize,
+        blocks: &[u32],
+    ) -> Result<(), String> {
+        let _ = (target, offset, blocks);
+        Err("this executor cannot copy KV into another worker's cache".into())
+    }
 }
 
 /// The real thing: the Llama forward pass, with K and V in `storage`.

@@ -108,7 +108,21 @@ pub async fn prefill(
     }
     let PrefillRequest { request, target } = parse(body, MAX_BODY_BYTES).await?;
     let started = std::time::Instant::now();
-    let (_, mut events, kv) = state.engine.submit_prefill(request, target.from_block);
+    // Same node and both caches shared: the engine copies the blocks into
+    // the decode worker's pages itself. An ask that fails (the decode side
+    // gone, say) fails here as the transfer would.
+    let direct = match &state.engine.kv_share {
+        Some(local) => state.transport.direct(&target, local).await.map_err(|e| {
+            ApiError::new(
+                axum::http::StatusCode::BAD_GATEWAY,
+                format!("the KV transfer failed: {e}"),
+            )
+        })?,
+        None => None,
+    };
+    let (_, mut events, kv) = state
+        .engine
+        .submit_prefill(request, target.from_block, direct);
     let push = state.transport.push(target, state.engine.kv_layout, kv);
     let engine_side = async {
         let mut usage = None;

@@ -12,9 +12,14 @@
 //! one has landed the decode worker runs the last prompt token itself and
 //! samples, so sampling (seed, logprobs, stops) stays in one place.
 //!
-//! Same-node GPU transports (peer copy, CUDA IPC: `compute::cuda::transfer`
-//! has the gather kernel) implement the same trait with a `KvExport` whose
-//! blocks name device pages instead of carrying bytes through the host.
+//! Within one node the blocks need not cross the host at all (direct
+//! copies): a decode worker whose cache another process can map (CUDA IPC,
+//! `compute::cuda::transfer`) describes it as a [`KvShare`]; a prefill
+//! worker that can write into it asks the decode side for the reserved
+//! pages first ([`KvTransport::direct`]), its engine copies each step's
+//! blocks straight into them (one gather kernel for all layers), and the
+//! transport only says which blocks landed. Everything else (the reservation,
+//! the order, the acknowledgement, the failure rules) is the same protocol.
 
 pub mod tcp;
 pub mod wire;
@@ -130,8 +135,52 @@ pub fn convert(data: &[u8], from: KvDtype, to: KvDtype) -> Vec<u8> {
 pub struct KvExport {
     pub first_block: u32,
     pub n_blocks: u32,
-    /// `n_blocks` blocks in the [`KvLayout`] format.
+    /// `n_blocks` blocks in the [`KvLayout`] format; empty when `in_place`.
     pub data: Vec<u8>,
+    /// The blocks were copied into the decode worker's cache already (a
+    /// direct transfer): only the fact travels.
+    pub in_place: bool,
+}
+
+/// A KV cache that other processes of the same node can write into: what a
+/// decode worker offers a prefill worker for direct copies. On a GPU the
+/// handles are CUDA IPC memory handles of the K and V buffers (each
+/// `n_layers x n_blocks` pages of `block_size x kv_dim` values, layer-major),
+/// and the addresses serve a peer in the same process, which cannot open
+/// its own process's handles.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KvShare {
+    /// The operating system instance (Linux's boot id): handles mean
+    /// nothing on another node.
+    pub node: String,
+    pub pid: u32,
+    /// The device holding the cache (a GPU's UUID).
+    pub device: String,
+    pub layout: KvLayout,
+    /// Pages per layer: the stride between layers.
+    pub n_blocks: u32,
+    pub k_handle: Vec<u8>,
+    pub v_handle: Vec<u8>,
+    pub k_addr: u64,
+    pub v_addr: u64,
+}
+
+/// This machine's boot id (what [`KvShare::node`] holds), or "" where the
+/// system has none to read (no direct copies are offered then).
+pub fn node_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// Where a prefill engine copies a request's blocks directly: the decode
+/// worker's cache and its reserved pages, `pages[i]` for block
+/// `from_block + i`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DirectTarget {
+    pub share: KvShare,
+    pub from_block: u32,
+    pub pages: Vec<u32>,
 }
 
 /// Where a prefill worker sends a request's KV: the decode worker's
@@ -148,7 +197,11 @@ pub struct KvTarget {
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Pushed {
     pub blocks: u32,
+    /// Bytes that crossed the connection (none for blocks copied in place).
     pub bytes: u64,
+    /// Of `blocks`, those copied straight into the decode worker's cache.
+    #[serde(default)]
+    pub in_place: u32,
     /// From connecting to the decode side's acknowledgement.
     pub seconds: f64,
 }
@@ -184,6 +237,19 @@ pub trait KvTransport: Send + Sync + fmt::Debug {
         layout: KvLayout,
         chunks: tokio::sync::mpsc::UnboundedReceiver<KvExport>,
     ) -> futures_util::future::BoxFuture<'static, Result<Pushed, TransferError>>;
+
+    /// Asks the decode worker whether this worker (whose cache is `local`)
+    /// may copy the request's blocks straight into its cache, and where:
+    /// `None` when it may not (another node, another kind of cache, or a
+    /// transport without direct copies), and the blocks then travel as bytes.
+    fn direct(
+        &self,
+        target: &KvTarget,
+        local: &KvShare,
+    ) -> futures_util::future::BoxFuture<'static, Result<Option<DirectTarget>, TransferError>> {
+        let _ = (target, local);
+        Box::pin(async { Ok(None) })
+    }
 }
 
 /// What a worker does in a disaggregated fleet (every worker can do both;

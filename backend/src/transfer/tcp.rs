@@ -8,6 +8,12 @@
 //! reason it was refused). Every read and write has a timeout; a broken,
 //! late or corrupt transfer fails its request on the decode side, which
 //! releases the reserved blocks.
+//!
+//! Direct transfers (same node): before the prefill starts, the prefill
+//! side asks on a connection of its own (`share ask` with its cache's
+//! [`KvShare`]) and the listener answers the reserved pages (`share offer`)
+//! when its cache is shared, the two are on one node and the sender's
+//! layout matches; else a refusing `ack`, and the blocks go as bytes.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,7 +23,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
 use super::wire::Frame;
-use super::{KvExport, KvLayout, KvTarget, KvTransport, Pushed, TransferError};
+use super::{
+    DirectTarget, KvExport, KvLayout, KvShare, KvTarget, KvTransport, Pushed, TransferError,
+};
 use crate::engine::{Engine, KvIntake};
 
 /// The sending side.
@@ -47,6 +55,24 @@ async fn within<T, E: Into<TransferError>>(
     }
 }
 
+impl TcpTransport {
+    async fn connect(&self, addr: &str) -> Result<TcpStream, TransferError> {
+        let stream =
+            match tokio::time::timeout(self.connect_timeout, TcpStream::connect(addr)).await {
+                Err(_) => return Err(TransferError::Timeout(self.connect_timeout)),
+                Ok(Err(source)) => {
+                    return Err(TransferError::Connect {
+                        addr: addr.to_string(),
+                        source,
+                    });
+                }
+                Ok(Ok(s)) => s,
+            };
+        stream.set_nodelay(true)?;
+        Ok(stream)
+    }
+}
+
 impl KvTransport for TcpTransport {
     fn push(
         &self,
@@ -54,25 +80,11 @@ impl KvTransport for TcpTransport {
         layout: KvLayout,
         mut chunks: mpsc::UnboundedReceiver<KvExport>,
     ) -> BoxFuture<'static, Result<Pushed, TransferError>> {
-        let Self {
-            connect_timeout,
-            io_timeout,
-        } = *self;
+        let this = *self;
+        let io_timeout = self.io_timeout;
         Box::pin(async move {
             let started = Instant::now();
-            let stream =
-                match tokio::time::timeout(connect_timeout, TcpStream::connect(&target.addr)).await
-                {
-                    Err(_) => return Err(TransferError::Timeout(connect_timeout)),
-                    Ok(Err(source)) => {
-                        return Err(TransferError::Connect {
-                            addr: target.addr.clone(),
-                            source,
-                        });
-                    }
-                    Ok(Ok(s)) => s,
-                };
-            stream.set_nodelay(true)?;
+            let stream = this.connect(&target.addr).await?;
             let (mut rd, mut wr) = stream.into_split();
             // The listener answers once, at the end or on refusal: read it
             // on the side so that an early refusal names its reason.
@@ -89,18 +101,25 @@ impl KvTransport for TcpTransport {
                             chunk.first_block
                         )));
                     }
-                    let frame = Frame::Chunk {
-                        handle,
-                        first_block: chunk.first_block,
-                        n_blocks: chunk.n_blocks,
-                        data: chunk.data,
+                    let frame = if chunk.in_place {
+                        sent.in_place += chunk.n_blocks;
+                        Frame::Landed {
+                            handle,
+                            first_block: chunk.first_block,
+                            n_blocks: chunk.n_blocks,
+                        }
+                    } else {
+                        sent.bytes += chunk.data.len() as u64;
+                        Frame::Chunk {
+                            handle,
+                            first_block: chunk.first_block,
+                            n_blocks: chunk.n_blocks,
+                            data: chunk.data,
+                        }
                     };
                     within(io_timeout, frame.write(&mut wr)).await?;
                     next += chunk.n_blocks;
                     sent.blocks += chunk.n_blocks;
-                    if let Frame::Chunk { data, .. } = frame {
-                        sent.bytes += data.len() as u64;
-                    }
                 }
                 let done = Frame::Done {
                     handle,
@@ -135,9 +154,55 @@ impl KvTransport for TcpTransport {
             }
         })
     }
+
+    fn direct(
+        &self,
+        target: &KvTarget,
+        local: &KvShare,
+    ) -> BoxFuture<'static, Result<Option<DirectTarget>, TransferError>> {
+        Box::pin(self.ask_direct(target.clone(), local.clone()))
+    }
 }
 
 type Answer = Result<Result<Option<Frame>, TransferError>, tokio::task::JoinError>;
+
+impl TcpTransport {
+    /// [`KvTransport::direct`] over its own connection: `share ask`, then
+    /// the offer or the reason there is none.
+    async fn ask_direct(
+        self,
+        target: KvTarget,
+        local: KvShare,
+    ) -> Result<Option<DirectTarget>, TransferError> {
+        let stream = self.connect(&target.addr).await?;
+        let (mut rd, mut wr) = stream.into_split();
+        let ask = Frame::ShareAsk {
+            handle: target.handle,
+            share: Box::new(local),
+        };
+        within(self.io_timeout, ask.write(&mut wr)).await?;
+        match within(self.io_timeout, Frame::read(&mut rd)).await? {
+            Some(Frame::ShareOffer { handle, target: t }) if handle == target.handle => {
+                if t.from_block != target.from_block {
+                    return Err(TransferError::Protocol(format!(
+                        "pages offered from block {} where the transfer starts at {}",
+                        t.from_block, target.from_block
+                    )));
+                }
+                Ok(Some(*t))
+            }
+            Some(Frame::Ack {
+                ok: false, message, ..
+            }) => {
+                tracing::debug!(addr = %target.addr, %message, "no direct KV copies; bytes instead");
+                Ok(None)
+            }
+            other => Err(TransferError::Protocol(format!(
+                "expected a share offer, got {other:?}"
+            ))),
+        }
+    }
+}
 
 fn answer_is_eof(a: &Answer) -> bool {
     matches!(a, Ok(Ok(None)))
@@ -181,15 +246,34 @@ pub async fn serve_kv(listener: TcpListener, engine: Arc<Engine>, idle_timeout: 
     }
 }
 
-/// One transfer: frames into the engine, then the acknowledgement.
+/// One connection: a transfer (frames into the engine, then the
+/// acknowledgement) or a direct-transfer ask (answered, nothing else).
 async fn receive(stream: TcpStream, engine: &Engine, idle: Duration) -> Result<(), String> {
     let _ = stream.set_nodelay(true);
     let (mut rd, mut wr) = stream.into_split();
+    let first = within(idle, Frame::read(&mut rd))
+        .await
+        .map_err(|e| e.to_string());
+    if let Ok(Some(Frame::ShareAsk { handle: h, share })) = first {
+        let answer = match offer(engine, h, &share).await {
+            Ok(target) => Frame::ShareOffer {
+                handle: h,
+                target: Box::new(target),
+            },
+            Err(message) => Frame::Ack {
+                handle: h,
+                ok: false,
+                message,
+            },
+        };
+        // An ask settles nothing: a refusal only means bytes.
+        return within(idle, answer.write(&mut wr))
+            .await
+            .map_err(|e| e.to_string());
+    }
     let mut handle = None;
     let result: Result<(), String> = async {
-        let frame = within(idle, Frame::read(&mut rd))
-            .await
-            .map_err(|e| e.to_string())?;
+        let frame = first?;
         let Some(Frame::Hello { handle: h, layout }) = frame else {
             return Err(format!("expected hello, got {frame:?}"));
         };
@@ -210,6 +294,14 @@ async fn receive(stream: TcpStream, engine: &Engine, idle: Duration) -> Result<(
                     n_blocks,
                     data,
                     dtype: layout.dtype,
+                },
+                Some(Frame::Landed {
+                    handle: of,
+                    first_block,
+                    n_blocks,
+                }) if of == h => KvIntake::Landed {
+                    first_block,
+                    n_blocks,
                 },
                 Some(Frame::Done { handle: of, blocks }) if of == h => {
                     return engine.receive_kv(h, KvIntake::Done { blocks }).await;
@@ -234,4 +326,22 @@ async fn receive(stream: TcpStream, engine: &Engine, idle: Duration) -> Result<(
     // The sender may be gone already; the request's fate is settled anyway.
     let _ = tokio::time::timeout(idle, ack.write(&mut wr)).await;
     result
+}
+
+/// The pages a prefill worker whose cache is `theirs` may copy request
+/// `handle`'s blocks into, or why it may not.
+async fn offer(engine: &Engine, handle: u64, theirs: &KvShare) -> Result<DirectTarget, String> {
+    let Some(ours) = &engine.kv_share else {
+        return Err("this worker's KV cache is not shared".into());
+    };
+    if ours.node.is_empty() || ours.node != theirs.node {
+        return Err("the two workers are not on one node".into());
+    }
+    if ours.layout != theirs.layout {
+        return Err(format!(
+            "KV layouts differ: {:?} here, {:?} there",
+            ours.layout, theirs.layout
+        ));
+    }
+    engine.direct_pages(handle).await
 }

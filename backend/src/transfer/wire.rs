@@ -13,13 +13,22 @@
 //! | chunk (sender) | first block | blocks | 0 | the blocks' bytes |
 //! | done (sender) | blocks sent | 0 | 0 | none |
 //! | ack (receiver) | 1 = accepted, 0 = refused | 0 | 0 | the reason, UTF-8 |
+//! | share ask (sender) | 0 | 0 | 0 | the sender's [`KvShare`], JSON |
+//! | share offer (receiver) | 0 | 0 | 0 | a [`DirectTarget`], JSON |
+//! | landed (sender) | first block | blocks | 0 | none |
+//!
+//! A direct transfer (same node) begins on a connection of its own: `share
+//! ask` (may this worker write into the reservation?) answered by `share
+//! offer` (the pages) or a refusing `ack`. The transfer then runs as any
+//! other, with `landed` frames for blocks already copied in place where
+//! `chunk`s would carry bytes.
 //!
 //! The checksum covers every payload; a frame whose payload does not match
 //! it, or that is longer than [`MAX_PAYLOAD`], ends the connection.
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::{KvDtype, KvLayout, TransferError};
+use super::{DirectTarget, KvDtype, KvLayout, KvShare, TransferError};
 
 const MAGIC: [u8; 4] = *b"SLKV";
 const VERSION: u8 = 1;
@@ -49,12 +58,37 @@ pub enum Frame {
         ok: bool,
         message: String,
     },
+    ShareAsk {
+        handle: u64,
+        share: Box<KvShare>,
+    },
+    ShareOffer {
+        handle: u64,
+        target: Box<DirectTarget>,
+    },
+    Landed {
+        handle: u64,
+        first_block: u32,
+        n_blocks: u32,
+    },
 }
 
 const HELLO: u8 = 1;
 const CHUNK: u8 = 2;
 const DONE: u8 = 3;
 const ACK: u8 = 4;
+const SHARE_ASK: u8 = 5;
+const SHARE_OFFER: u8 = 6;
+const LANDED: u8 = 7;
+
+fn json<T: serde::Serialize>(value: &T) -> Vec<u8> {
+    serde_json::to_vec(value).expect("plain structs serialize")
+}
+
+fn from_json<T: serde::de::DeserializeOwned>(payload: &[u8]) -> Result<T, TransferError> {
+    serde_json::from_slice(payload)
+        .map_err(|e| TransferError::Protocol(format!("bad payload: {e}")))
+}
 
 impl Frame {
     /// The header and the payload.
@@ -83,6 +117,13 @@ impl Frame {
                 [u32::from(*ok), 0, 0],
                 message.as_bytes().to_vec(),
             ),
+            Frame::ShareAsk { handle, share } => (SHARE_ASK, *handle, [0, 0, 0], json(share)),
+            Frame::ShareOffer { handle, target } => (SHARE_OFFER, *handle, [0, 0, 0], json(target)),
+            Frame::Landed {
+                handle,
+                first_block,
+                n_blocks,
+            } => (LANDED, *handle, [*first_block, *n_blocks, 0], Vec::new()),
         };
         (header(kind, handle, [a, b, c], &payload), payload)
     }
@@ -171,6 +212,19 @@ impl Frame {
                 ok: a == 1,
                 message: String::from_utf8_lossy(&payload).into_owned(),
             },
+            SHARE_ASK => Frame::ShareAsk {
+                handle,
+                share: Box::new(from_json(&payload)?),
+            },
+            SHARE_OFFER => Frame::ShareOffer {
+                handle,
+                target: Box::new(from_json(&payload)?),
+            },
+            LANDED => Frame::Landed {
+                handle,
+                first_block: a,
+                n_blocks: b,
+            },
             kind => {
                 return Err(TransferError::Protocol(format!(
                     "unknown frame kind {kind}"
@@ -208,6 +262,20 @@ mod tests {
         }
     }
 
+    fn share() -> KvShare {
+        KvShare {
+            node: "3f1c".into(),
+            pid: 41,
+            device: "GPU-0".into(),
+            layout: layout(),
+            n_blocks: 512,
+            k_handle: (0..64).collect(),
+            v_handle: vec![255; 64],
+            k_addr: 1 << 40,
+            v_addr: (1 << 40) + 4096,
+        }
+    }
+
     async fn round_trip(frame: &Frame) -> Frame {
         let mut bytes = Vec::new();
         frame.write(&mut bytes).await.unwrap();
@@ -237,6 +305,23 @@ mod tests {
                 handle: 7,
                 ok: false,
                 message: "no such reservation".into(),
+            },
+            Frame::ShareAsk {
+                handle: 7,
+                share: Box::new(share()),
+            },
+            Frame::ShareOffer {
+                handle: 7,
+                target: Box::new(DirectTarget {
+                    share: share(),
+                    from_block: 2,
+                    pages: vec![40, 3, 17],
+                }),
+            },
+            Frame::Landed {
+                handle: 7,
+                first_block: 2,
+                n_blocks: 3,
             },
         ];
         for f in &frames {

@@ -114,6 +114,7 @@ pub async fn run_transfer_bench(
                 first_block: first,
                 n_blocks: n,
                 data: vec![(i % 251) as u8; n as usize * layout.block_bytes()],
+                in_place: false,
             });
             first += n;
         }
@@ -167,7 +168,7 @@ pub async fn run_transfer_bench(
             .reserve_kv(request.clone())
             .await
             .map_err(TransferBenchError::Run)?;
-        let (_, mut events, kv) = prefill.submit_prefill(request.clone(), from_block);
+        let (_, mut events, kv) = prefill.submit_prefill(request.clone(), from_block, None);
         let target = KvTarget {
             addr: addr.clone(),
             handle,

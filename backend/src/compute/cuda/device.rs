@@ -181,6 +181,27 @@ impl Gpu {
         Ok(self.stream.alloc_zeros::<T>(len.max(1))?)
     }
 
+    /// `len` zeroed values from `cuMemAlloc` rather than the stream-ordered
+    /// pool, so that other processes can map them (`cuIpcGetMemHandle`
+    /// refuses pool memory). The slice must not be dropped as it is (its
+    /// drop frees into the pool): free it with [`free_shareable`].
+    pub fn alloc_shareable<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<CudaSlice<T>, GpuError> {
+        use cudarc::driver::sys;
+        let bytes = len.max(1) * std::mem::size_of::<T>();
+        self.bind()?;
+        let mut ptr = 0;
+        // SAFETY: an out-pointer; this thread holds the context.
+        unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }.result()?;
+        // SAFETY: `ptr` holds `bytes` bytes (just allocated); zero is a valid T.
+        unsafe {
+            sys::cuMemsetD8_v2(ptr, 0, bytes).result()?;
+            Ok(self.stream.upgrade_device_ptr(ptr, len.max(1)))
+        }
+    }
+
     pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>, GpuError> {
         if data.is_empty() {
             // SAFETY: a one-element allocation nobody reads.
@@ -450,6 +471,17 @@ impl Gpu {
         let (p, _guard) = s.device_ptr(&self.stream);
         p + (offset * std::mem::size_of::<T>()) as u64
     }
+}
+
+/// Frees what [`Gpu::alloc_shareable`] gave, once its stream is done with it.
+pub fn free_shareable<T>(slice: CudaSlice<T>) -> Result<(), GpuError> {
+    let stream = slice.stream().clone();
+    stream.synchronize()?;
+    stream.context().bind_to_thread()?;
+    let ptr = slice.leak();
+    // SAFETY: `ptr` came from cuMemAlloc and nothing uses it any more.
+    unsafe { cudarc::driver::sys::cuMemFree_v2(ptr) }.result()?;
+    Ok(())
 }
 
 /// Lets kernel `f` take `shared` bytes of dynamic shared memory: past 48 KB,

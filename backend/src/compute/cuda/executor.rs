@@ -1,19 +1,26 @@
 //! The engine's executor on a GPU: the scheduler hands it a batch of chunks,
 //! it runs `CudaLlama::forward` over the paged KV cache on the device and
-//! gives the logits back to the sampler.
+//! gives the logits back to the sampler. Its cache is shared with prefill
+//! workers of the same node (CUDA IPC), and it copies its own blocks into
+//! a decode worker's cache the same way (`super::transfer`).
 
 use crate::engine::{Executor, Next};
 use crate::model::SeqChunk;
-use crate::transfer::{KvDtype, KvLayout};
+use crate::transfer::{DirectTarget, KvDtype, KvLayout, KvShare};
 
 use super::device::GpuError;
 use super::model::{ChunkResult, CudaKvCache, CudaLlama, Numerics, StepOutput, Workspace};
+use super::transfer::{PeerCaches, share_of};
 
 #[derive(Debug)]
 pub struct CudaExecutor {
     pub model: CudaLlama,
     pub kv: CudaKvCache,
     workspace: Workspace,
+    /// `kv` as other processes map it; `None` where the driver gave no
+    /// IPC handles (then transfers into this worker go as bytes).
+    share: Option<KvShare>,
+    peers: PeerCaches,
 }
 
 impl CudaExecutor {
@@ -21,10 +28,15 @@ impl CudaExecutor {
     pub fn new(model: CudaLlama, kv_blocks: usize, block_size: usize) -> Result<Self, GpuError> {
         let kv = CudaKvCache::new(&model.gpu, &model.config, kv_blocks, block_size)?;
         let workspace = Workspace::new(&model.gpu)?;
+        let share = share_of(&model.gpu, &kv)
+            .inspect_err(|e| tracing::info!(error = %e, "the KV cache cannot be shared (CUDA IPC)"))
+            .ok();
         Ok(CudaExecutor {
             model,
             kv,
             workspace,
+            share,
+            peers: PeerCaches::default(),
         })
     }
 
@@ -123,6 +135,21 @@ impl Executor for CudaExecutor {
         stream
             .synchronize()
             .unwrap_or_else(|e| panic!("writing KV blocks to the GPU failed: {e}"));
+    }
+
+    fn kv_share(&self) -> Option<KvShare> {
+        self.share.clone()
+    }
+
+    fn copy_kv_into(
+        &mut self,
+        target: &DirectTarget,
+        offset: usize,
+        blocks: &[u32],
+    ) -> Result<(), String> {
+        self.peers
+            .copy_into(&self.model.gpu, &self.kv, target, offset, blocks)
+            .map_err(|e| e.to_string())
     }
 
     fn run(&mut self, chunks: &[SeqChunk<'_>]) -> Vec<Next> {

@@ -9,6 +9,7 @@
 //! residual, RMSNorm, one gate-up GEMM, SwiGLU, the down GEMM accumulated.
 
 use std::collections::HashMap;
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaGraph, CudaSlice};
@@ -731,15 +732,17 @@ pub(crate) fn put_weight_for_test(gpu: &Gpu, w: &Weight, dst: DevPtr) {
 }
 
 /// K and V of every layer: `n_blocks` pages of `block_size` token slots of
-/// `kv_dim` BF16 values, per layer (the CPU's `KvStorage` layout).
+/// `kv_dim` BF16 values, per layer (the CPU's `KvStorage` layout). Allocated
+/// outside the stream-ordered pool, so that a prefill worker in another
+/// process can map it and write its pages (CUDA IPC, `super::transfer`).
 #[derive(Debug)]
 pub struct CudaKvCache {
     pub n_layers: usize,
     pub n_blocks: usize,
     pub block_size: usize,
     pub kv_dim: usize,
-    pub(crate) k: CudaSlice<Bf16>,
-    pub(crate) v: CudaSlice<Bf16>,
+    pub(crate) k: ManuallyDrop<CudaSlice<Bf16>>,
+    pub(crate) v: ManuallyDrop<CudaSlice<Bf16>>,
 }
 
 impl CudaKvCache {
@@ -755,8 +758,8 @@ impl CudaKvCache {
             n_blocks,
             block_size,
             kv_dim: config.kv_dim(),
-            k: gpu.alloc(len)?,
-            v: gpu.alloc(len)?,
+            k: ManuallyDrop::new(gpu.alloc_shareable(len)?),
+            v: ManuallyDrop::new(gpu.alloc_shareable(len)?),
         })
     }
 
@@ -782,6 +785,23 @@ impl CudaKvCache {
                 .collect()
         };
         Ok((f(&all_k[layer * span..]), f(&all_v[layer * span..])))
+    }
+}
+
+impl Drop for CudaKvCache {
+    fn drop(&mut self) {
+        // SAFETY: neither slice is used again.
+        let (k, v) = unsafe {
+            (
+                ManuallyDrop::take(&mut self.k),
+                ManuallyDrop::take(&mut self.v),
+            )
+        };
+        for slice in [k, v] {
+            if let Err(e) = super::device::free_shareable(slice) {
+                tracing::warn!(error = %e, "freeing the KV cache failed");
+            }
+        }
     }
 }
 

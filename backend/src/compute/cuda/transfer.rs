@@ -1,12 +1,19 @@
-//! KV pages between two GPUs of one node (the same-node transport of
-//! disaggregated prefill/decode): one gather kernel on the destination GPU
-//! pulls every page, all layers, K and V, straight out of the source GPU's
-//! cache over peer access, instead of one memcpy per page.
+//! KV pages between caches of one node (the same-node transports of
+//! disaggregated prefill/decode), one gather kernel for every page, all
+//! layers, K and V, instead of one memcpy per page: between two GPUs of one
+//! process over peer access (`copy_pages`, run on the destination), and
+//! into another process's cache over CUDA IPC (`share_of` on the decode
+//! side, `PeerCaches::copy_into` on the prefill side, run on the source:
+//! the kernel reads local pages and writes the mapped ones).
+
+use std::collections::HashMap;
 
 use cudarc::driver::sys;
 
+use super::device::DevPtr;
 use super::device::{Gpu, GpuError, grid};
 use super::model::CudaKvCache;
+use crate::transfer::{DirectTarget, KvDtype, KvLayout, KvShare, node_id};
 
 /// Lets kernels on `dst` read `src`'s memory. Errors where the two GPUs have
 /// no peer path.
@@ -76,30 +83,54 @@ pub fn copy_pages(
         return Ok(());
     }
     src_gpu.synchronize()?;
-    dst_gpu.bind()?;
+    gather(
+        dst_gpu,
+        [src_gpu.ptr(&src.k, 0), src_gpu.ptr(&src.v, 0)],
+        [dst_gpu.ptr(&dst.k, 0), dst_gpu.ptr(&dst.v, 0)],
+        src_pages,
+        dst_pages,
+        src,
+        dst.n_blocks,
+    )
+}
+
+/// Launches the gather on `gpu`'s stream: page `src_pages[i]` of the cache
+/// at `src` (K, V base addresses; `shape`'s layers, pages and sizes) into
+/// page `dst_pages[i]` of the one at `dst` (`dst_blocks` pages a layer).
+/// Both must be addressable from `gpu` and the pages checked.
+fn gather(
+    gpu: &Gpu,
+    src: [DevPtr; 2],
+    dst: [DevPtr; 2],
+    src_pages: &[u32],
+    dst_pages: &[u32],
+    shape: &CudaKvCache,
+    dst_blocks: usize,
+) -> Result<(), GpuError> {
+    gpu.bind()?;
     let lists: Vec<i32> = src_pages
         .iter()
         .chain(dst_pages)
         .map(|&p| p as i32)
         .collect();
-    let lists = dst_gpu.upload(&lists)?;
-    let page_elems = (dst.block_size * dst.kv_dim) as u64;
-    let src_layer = src.n_blocks as u64 * page_elems;
-    let dst_layer = dst.n_blocks as u64 * page_elems;
+    let lists = gpu.upload(&lists)?;
+    let page_elems = (shape.block_size * shape.kv_dim) as u64;
+    let src_layer = shape.n_blocks as u64 * page_elems;
+    let dst_layer = dst_blocks as u64 * page_elems;
     let n = src_pages.len();
-    // SAFETY: every page index was checked against its cache; the caches hold
-    // n_layers x n_blocks pages of page_elems values, K and V alike; peer
-    // access makes src's addresses readable from dst.
-    dst_gpu.launch(
+    // SAFETY: the caller checked every page index against its cache; the
+    // caches hold n_layers x blocks pages of page_elems values, K and V
+    // alike, at addresses `gpu` can reach.
+    gpu.launch(
         "kv_gather_pages",
-        grid((n as u32, dst.n_layers as u32, 2), 256, 0),
+        grid((n as u32, shape.n_layers as u32, 2), 256, 0),
         &[
-            &src_gpu.ptr(&src.k, 0),
-            &src_gpu.ptr(&src.v, 0),
-            &dst_gpu.ptr(&dst.k, 0),
-            &dst_gpu.ptr(&dst.v, 0),
-            &dst_gpu.ptr(&lists, 0),
-            &dst_gpu.ptr(&lists, n),
+            &src[0],
+            &src[1],
+            &dst[0],
+            &dst[1],
+            &gpu.ptr(&lists, 0),
+            &gpu.ptr(&lists, n),
             &page_elems,
             &src_layer,
             &dst_layer,
@@ -107,4 +138,196 @@ pub fn copy_pages(
     )?;
     // `lists` is freed on the stream after the kernel (async free).
     Ok(())
+}
+
+/// The cache as another process of this node may map it: CUDA IPC handles
+/// of K and V (allocated outside the stream-ordered pool for this), the
+/// GPU's UUID, this node's boot id.
+pub fn share_of(gpu: &Gpu, kv: &CudaKvCache) -> Result<KvShare, GpuError> {
+    gpu.bind()?;
+    let handle = |ptr: DevPtr| -> Result<Vec<u8>, GpuError> {
+        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        // SAFETY: an out-pointer; `ptr` is the base of a cuMemAlloc allocation.
+        unsafe { sys::cuIpcGetMemHandle(&mut h, ptr) }.result()?;
+        Ok(h.reserved.iter().map(|&b| b as u8).collect())
+    };
+    let (k_addr, v_addr) = (gpu.ptr(&kv.k, 0), gpu.ptr(&kv.v, 0));
+    let uuid = gpu.ctx.uuid()?;
+    Ok(KvShare {
+        node: node_id(),
+        pid: std::process::id(),
+        device: uuid_string(&uuid.bytes),
+        layout: layout_of(kv),
+        n_blocks: kv.n_blocks as u32,
+        k_handle: handle(k_addr)?,
+        v_handle: handle(v_addr)?,
+        k_addr,
+        v_addr,
+    })
+}
+
+fn layout_of(kv: &CudaKvCache) -> KvLayout {
+    KvLayout {
+        n_layers: kv.n_layers as u32,
+        block_size: kv.block_size as u32,
+        kv_dim: kv.kv_dim as u32,
+        dtype: KvDtype::Bf16,
+    }
+}
+
+/// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi writes it.
+fn uuid_string(bytes: &[std::ffi::c_char; 16]) -> String {
+    let hex: String = bytes.iter().map(|&b| format!("{:02x}", b as u8)).collect();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        &hex[..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..]
+    )
+}
+
+/// Other processes' caches this one has mapped (CUDA IPC), by their K
+/// handle; each is opened once and closed when this goes away.
+#[derive(Debug, Default)]
+pub struct PeerCaches {
+    mapped: HashMap<Vec<u8>, Mapped>,
+}
+
+#[derive(Debug)]
+struct Mapped {
+    k: DevPtr,
+    v: DevPtr,
+    /// Opened with cuIpcOpenMemHandle (closed on drop); false: the peer is
+    /// in this process and its addresses are used as they are.
+    opened: bool,
+}
+
+impl PeerCaches {
+    /// Copies `blocks` of `src` (on `gpu`) into the target's pages from
+    /// block `target.from_block + offset` on, every layer, K and V, and
+    /// waits for the copy: when this returns the pages hold the blocks.
+    pub fn copy_into(
+        &mut self,
+        gpu: &Gpu,
+        src: &CudaKvCache,
+        target: &DirectTarget,
+        offset: usize,
+        blocks: &[u32],
+    ) -> Result<(), GpuError> {
+        let peer = &target.share;
+        let theirs = KvLayout {
+            dtype: KvDtype::Bf16,
+            ..peer.layout
+        };
+        if peer.layout != theirs || layout_of(src) != theirs {
+            return Err(GpuError::Other(format!(
+                "KV layouts differ: {:?} here, {:?} there",
+                layout_of(src),
+                peer.layout
+            )));
+        }
+        let pages = target
+            .pages
+            .get(offset..offset + blocks.len())
+            .ok_or_else(|| {
+                GpuError::Other(format!(
+                    "blocks {offset}..{} are past the {} pages reserved",
+                    offset + blocks.len(),
+                    target.pages.len()
+                ))
+            })?;
+        if blocks.iter().any(|&b| b as usize >= src.n_blocks)
+            || pages.iter().any(|&p| p >= peer.n_blocks)
+        {
+            return Err(GpuError::Other("a page is outside its cache".into()));
+        }
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        let dst = self.map(gpu, peer)?;
+        gather(
+            gpu,
+            [gpu.ptr(&src.k, 0), gpu.ptr(&src.v, 0)],
+            dst,
+            blocks,
+            pages,
+            src,
+            peer.n_blocks as usize,
+        )?;
+        gpu.synchronize()
+    }
+
+    /// The peer's K and V base addresses in this process.
+    fn map(&mut self, gpu: &Gpu, peer: &KvShare) -> Result<[DevPtr; 2], GpuError> {
+        if let Some(m) = self.mapped.get(&peer.k_handle) {
+            return Ok([m.k, m.v]);
+        }
+        let mapped = if peer.pid == std::process::id() {
+            // A process cannot open its own handles; the addresses are
+            // good here (one address space), on the same GPU.
+            let ours = uuid_string(&gpu.ctx.uuid()?.bytes);
+            if ours != peer.device {
+                return Err(GpuError::Other(format!(
+                    "a cache on another GPU of this process ({}) needs peer access: copy_pages",
+                    peer.device
+                )));
+            }
+            Mapped {
+                k: peer.k_addr,
+                v: peer.v_addr,
+                opened: false,
+            }
+        } else {
+            gpu.bind()?;
+            let open = |bytes: &[u8]| -> Result<DevPtr, GpuError> {
+                let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+                if bytes.len() != h.reserved.len() {
+                    return Err(GpuError::Other(format!(
+                        "a CUDA IPC handle of {} bytes (64 expected)",
+                        bytes.len()
+                    )));
+                }
+                for (d, &b) in h.reserved.iter_mut().zip(bytes) {
+                    *d = b as std::ffi::c_char;
+                }
+                let mut ptr = 0;
+                // SAFETY: an out-pointer and a handle of the right size; the
+                // driver checks that it names a live allocation.
+                unsafe {
+                    sys::cuIpcOpenMemHandle_v2(
+                        &mut ptr,
+                        h,
+                        sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                    )
+                }
+                .result()?;
+                Ok(ptr)
+            };
+            let k = open(&peer.k_handle)?;
+            let v = open(&peer.v_handle).inspect_err(|_| {
+                // SAFETY: `k` was opened just above and is not used.
+                let _ = unsafe { sys::cuIpcCloseMemHandle(k) };
+            })?;
+            tracing::info!(pid = peer.pid, device = %peer.device, "mapped a decode worker's KV cache (CUDA IPC)");
+            Mapped { k, v, opened: true }
+        };
+        let addrs = [mapped.k, mapped.v];
+        self.mapped.insert(peer.k_handle.clone(), mapped);
+        Ok(addrs)
+    }
+}
+
+impl Drop for PeerCaches {
+    fn drop(&mut self) {
+        for m in self.mapped.values().filter(|m| m.opened) {
+            // SAFETY: opened by `map`, and nothing copies into it any more
+            // (the executor that owns this has stopped).
+            unsafe {
+                let _ = sys::cuIpcCloseMemHandle(m.k);
+                let _ = sys::cuIpcCloseMemHandle(m.v);
+            }
+        }
+    }
 }
