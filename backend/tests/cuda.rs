@@ -605,3 +605,86 @@ fn disaggregated_engines_on_the_gpu_equal_aggregated() {
     eprintln!("disaggregated on the GPU: {compared} of {total} tokens equal to aggregated");
     assert!(compared * 4 >= total * 3, "{compared} of {total}");
 }
+
+/// Direct transfers on the GPU, between engines of this process on GPU 0
+/// (the same-process path of `PeerCaches`: the decode cache's addresses,
+/// since a process cannot open its own IPC handles): the prefill engine's
+/// gather kernel writes the decode engine's pages, and the answers equal
+/// those of the same transfer as bytes into another decode engine, token
+/// for token (the same KV bits). Between processes, `tests/tests/disagg.rs`
+/// runs two `sluice worker`s.
+#[test]
+fn direct_transfers_on_the_gpu_equal_transfers_as_bytes() {
+    use sluice_backend::transfer::tcp::{TcpTransport, serve_kv};
+    use sluice_backend::transfer::{KvTarget, KvTransport};
+    if !gpu_present() {
+        return;
+    }
+    let tok = &model().1;
+    let prefill = Arc::new(engine(Device::Cuda(0)));
+    let local = prefill.kv_share.clone().expect("the GPU cache is shared");
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    // One decode engine takes the KV directly, the other as bytes.
+    let decoders: Vec<(Arc<Engine>, String)> = (0..2)
+        .map(|_| {
+            let decode = Arc::new(engine(Device::Cuda(0)));
+            let addr = runtime.block_on(async {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                let addr = listener.local_addr().unwrap().to_string();
+                tokio::spawn(serve_kv(
+                    listener,
+                    decode.clone(),
+                    std::time::Duration::from_secs(30),
+                ));
+                addr
+            });
+            (decode, addr)
+        })
+        .collect();
+    for text in PROMPTS {
+        let request = greedy(tok.encode(text).unwrap(), 16);
+        let mut answers = Vec::new();
+        for (direct, (decode, addr)) in [true, false].into_iter().zip(&decoders) {
+            let got = runtime.block_on(async {
+                let mut reserved = decode.reserve_kv(request.clone()).await.unwrap();
+                let target = KvTarget {
+                    addr: addr.clone(),
+                    handle: reserved.handle,
+                    from_block: reserved.from_block,
+                };
+                let transport = TcpTransport::default();
+                let pages = match direct {
+                    true => Some(
+                        transport
+                            .direct(&target, &local)
+                            .await
+                            .unwrap()
+                            .expect("same process, both on GPU 0: pages offered"),
+                    ),
+                    false => None,
+                };
+                let (_, _events, kv) =
+                    prefill.submit_prefill(request.clone(), target.from_block, pages);
+                let pushed = transport.push(target, prefill.kv_layout, kv).await.unwrap();
+                let in_place = if direct { reserved.blocks } else { 0 };
+                assert_eq!(
+                    (pushed.blocks, pushed.in_place),
+                    (reserved.blocks, in_place)
+                );
+                let mut ids = Vec::new();
+                while let Some(event) = reserved.events.recv().await {
+                    match event {
+                        GenerateEvent::Token(t) => ids.push(t.id),
+                        GenerateEvent::Finished { .. } => break,
+                        GenerateEvent::Error { message, .. } => panic!("{message}"),
+                        _ => {}
+                    }
+                }
+                ids
+            });
+            answers.push(got);
+        }
+        assert_eq!(answers[0].len(), 16);
+        assert_eq!(answers[0], answers[1], "{text:?}: direct vs bytes");
+    }
+}

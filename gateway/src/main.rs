@@ -133,6 +133,11 @@ enum Command {
         /// bound KV address]
         #[arg(long)]
         kv_advertise: Option<String>,
+        /// When prefilling for a decode worker on this node whose cache can
+        /// be mapped (CUDA IPC), copy the KV into it directly; with this
+        /// flag, always send the KV as bytes over TCP.
+        #[arg(long)]
+        no_kv_direct: bool,
     },
     /// The CUDA kernels.
     Kernels {
@@ -340,6 +345,15 @@ enum Bench {
         /// The shape whose pages move.
         #[arg(long, default_value = "llama-3.1-8b")]
         synthetic_model: String,
+        /// With --device cuda: into another process's cache over CUDA IPC
+        /// (a child `sluice` holding it on GPU 1 if there is one, else on
+        /// GPU 0), as a prefill worker writes a decode worker's pages.
+        #[arg(long)]
+        ipc: bool,
+        /// The child's half of --ipc: hold a cache on --device, print its
+        /// share (JSON) and wait for standard input to close.
+        #[arg(long, hide = true)]
+        ipc_hold: bool,
     },
     /// What a gateway adds per request in front of a minimal fast upstream:
     /// direct vs `sluice serve` (kv-aware plugin) vs SGLang's gateway.
@@ -475,8 +489,10 @@ fn run() -> anyhow::Result<()> {
             role,
             kv_listen,
             kv_advertise,
+            no_kv_direct,
         } => {
             let config = WorkerConfig {
+                kv_direct: !no_kv_direct,
                 role,
                 kv_listen: kv_listen.unwrap_or(std::net::SocketAddr::new(host, 0)),
                 kv_advertise,
@@ -692,6 +708,8 @@ fn run() -> anyhow::Result<()> {
                     repeats,
                     pages,
                     synthetic_model,
+                    ipc,
+                    ipc_hold,
                 },
         } => {
             use sluice_backend::compute::cuda::{Gpu, bench::peer_transfer};
@@ -707,16 +725,33 @@ fn run() -> anyhow::Result<()> {
                 println!("{summary}");
                 return Ok(());
             };
-            anyhow::ensure!(
-                device == Device::Cuda(0),
-                "--device cuda (GPU 0 to GPU 1), or no --device for the TCP transport"
-            );
             let config = sluice_backend::model::LlamaConfig::preset(&synthetic_model)
                 .with_context(|| format!("unknown shape {synthetic_model:?}"))?;
-            let (src, dst) = (Gpu::open(0)?, Gpu::open(1)?);
-            let f = peer_transfer(&src, &dst, &config, pages, 16)?;
+            if ipc_hold {
+                let Device::Cuda(n) = device else {
+                    anyhow::bail!("--ipc-hold needs --device cuda:N");
+                };
+                return hold_shared_cache(n, &config, pages);
+            }
+            anyhow::ensure!(
+                device == Device::Cuda(0),
+                "--device cuda (GPU 0 to GPU 1, or with --ipc to another process), or no --device for the TCP transport"
+            );
+            let src = Gpu::open(0)?;
+            let (f, way) = if ipc {
+                let (share, child) = spawn_shared_cache(&synthetic_model, pages)?;
+                let f = sluice_backend::compute::cuda::bench::ipc_transfer(
+                    &src, share, &config, pages, 16,
+                )?;
+                drop(child);
+                (f, "cuda-ipc")
+            } else {
+                let dst = Gpu::open(1)?;
+                (peer_transfer(&src, &dst, &config, pages, 16)?, "peer")
+            };
             let mut line = serde_json::to_value(&f)?;
             line["bench"] = serde_json::json!("transfer");
+            line["way"] = serde_json::json!(way);
             line["from"] = serde_json::json!(src.name);
             line["shape"] = serde_json::json!(synthetic_model);
             line["summary"] = serde_json::json!(true);
@@ -1026,4 +1061,59 @@ fn compile_kernels(archs: &[String]) -> anyhow::Result<()> {
         anyhow::bail!("{failed} kernel compilations failed");
     }
     Ok(())
+}
+
+/// `sluice bench transfer --ipc-hold`: a KV cache of `pages` pages on GPU
+/// `n`, its share printed as one JSON line; held until standard input ends.
+fn hold_shared_cache(
+    n: usize,
+    config: &sluice_backend::model::LlamaConfig,
+    pages: usize,
+) -> anyhow::Result<()> {
+    use sluice_backend::compute::cuda::{CudaKvCache, Gpu, transfer::share_of};
+    let gpu = Gpu::open(n)?;
+    let cache = CudaKvCache::new(&gpu, config, pages, 16)?;
+    println!("{}", serde_json::to_string(&share_of(&gpu, &cache)?)?);
+    std::io::Read::read_to_end(&mut std::io::stdin(), &mut Vec::new())?;
+    drop(cache);
+    Ok(())
+}
+
+/// A child `sluice` holding a shared cache (GPU 1 if there is one, else GPU
+/// 0) and its share; the child ends when the returned handle is dropped
+/// (its standard input closes).
+fn spawn_shared_cache(
+    shape: &str,
+    pages: usize,
+) -> anyhow::Result<(sluice_backend::transfer::KvShare, HeldCache)> {
+    use std::io::BufRead;
+    let gpu = if sluice_backend::compute::cuda::Gpu::open(1).is_ok() {
+        1
+    } else {
+        0
+    };
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .args(["bench", "transfer", "--ipc-hold", "--device"])
+        .arg(format!("cuda:{gpu}"))
+        .args(["--pages", &pages.to_string(), "--synthetic-model", shape])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("starting the cache-holding child")?;
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().context("the child's stdout")?)
+        .read_line(&mut line)?;
+    let share =
+        serde_json::from_str(&line).with_context(|| format!("the child's share line {line:?}"))?;
+    Ok((share, HeldCache(child)))
+}
+
+/// The cache-holding child: dropped, its standard input closes and it ends.
+struct HeldCache(std::process::Child);
+
+impl Drop for HeldCache {
+    fn drop(&mut self) {
+        drop(self.0.stdin.take());
+        let _ = self.0.wait();
+    }
 }

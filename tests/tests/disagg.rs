@@ -3,7 +3,9 @@
 //! for each hop, KV over the TCP transport. Greedy answers through 1P1D and
 //! 1P2D equal aggregated ones; KV-aware prefill routing reuses a
 //! conversation's prefix; transfers killed at random points leave every
-//! client answered and no block held.
+//! client answered and no block held. On a GPU (skipped without one): a
+//! prefill and a decode `sluice worker` process on one GPU copy the KV over
+//! CUDA IPC, and answer exactly as when the KV goes as bytes.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -142,6 +144,65 @@ async fn kv_aware_prefill_routing_reuses_a_conversations_prefix() {
             .unwrap()
             >= cached * 16
     );
+}
+
+/// A counter of a worker's `/metrics`.
+async fn worker_counter(worker_url: &str, name: &str) -> u64 {
+    let text = reqwest::get(format!("{worker_url}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_processes_on_one_gpu_move_kv_over_cuda_ipc_with_the_same_answers() {
+    if !sluice_backend::compute::cuda::cuda_available() {
+        eprintln!("skipped: no CUDA GPU");
+        return;
+    }
+    let mut texts = Vec::new();
+    for direct in [false, true] {
+        let mut cluster = Cluster::start(0, |c| c.disaggregation.min_prefill_tokens = 0).await;
+        let mut args = vec!["--device", "cuda:0", "--role", "prefill"];
+        if !direct {
+            args.push("--no-kv-direct");
+        }
+        let prefill = cluster.add_worker_with(&args);
+        cluster.add_worker_with(&["--device", "cuda:0", "--role", "decode"]);
+        cluster.wait_for_workers(2).await;
+        let got = answers(&cluster).await;
+        for (text, worker, prefilled) in &got {
+            assert!(!text.is_empty());
+            assert!(
+                !prefilled.is_empty() && prefilled != worker,
+                "prefilled on {prefilled:?}, decoded on {worker}"
+            );
+        }
+        let in_place =
+            worker_counter(&prefill, "sluice_worker_kv_blocks_pushed_in_place_total").await;
+        let bytes = worker_counter(&prefill, "sluice_worker_kv_blocks_pushed_as_bytes_total").await;
+        eprintln!("direct {direct}: {in_place} blocks copied in place, {bytes} sent as bytes");
+        if direct {
+            assert!(
+                in_place > 0 && bytes == 0,
+                "{in_place} in place, {bytes} as bytes"
+            );
+        } else {
+            assert!(
+                in_place == 0 && bytes > 0,
+                "{in_place} in place, {bytes} as bytes"
+            );
+        }
+        wait_idle(&cluster).await;
+        texts.push(got.into_iter().map(|a| a.0).collect::<Vec<_>>());
+    }
+    // The same KV bits either way: the same greedy answers, exactly.
+    assert_eq!(texts[0], texts[1]);
 }
 
 /// Waits until every worker reports no block in use.

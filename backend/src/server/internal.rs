@@ -111,7 +111,7 @@ pub async fn prefill(
     // Same node and both caches shared: the engine copies the blocks into
     // the decode worker's pages itself. An ask that fails (the decode side
     // gone, say) fails here as the transfer would.
-    let direct = match &state.engine.kv_share {
+    let direct = match state.engine.kv_share.as_ref().filter(|_| state.kv_direct) {
         Some(local) => state.transport.direct(&target, local).await.map_err(|e| {
             ApiError::new(
                 axum::http::StatusCode::BAD_GATEWAY,
@@ -161,6 +161,11 @@ pub async fn prefill(
     // Whichever fails first drops the other: the push's connection closes
     // (the decode side fails its request), or the export is cancelled.
     let (usage, pushed): (Usage, Pushed) = tokio::try_join!(engine_side, transfer)?;
+    let m = &state.metrics;
+    m.kv_blocks_in_place
+        .fetch_add(pushed.in_place.into(), Ordering::Relaxed);
+    m.kv_blocks_as_bytes
+        .fetch_add((pushed.blocks - pushed.in_place).into(), Ordering::Relaxed);
     Ok(Json(PrefillDone {
         prompt_tokens: usage.prompt_tokens,
         cached_tokens: usage.cached_tokens,
@@ -245,6 +250,18 @@ pub async fn metrics(State(state): State<Arc<WorkerState>>) -> Response {
         "counter",
         "Generated tokens of finished requests.",
         m.completion_tokens.load(Ordering::Relaxed),
+    );
+    metric(
+        "sluice_worker_kv_blocks_pushed_in_place_total",
+        "counter",
+        "KV blocks this worker prefilled and copied straight into a decode worker's cache (same node).",
+        m.kv_blocks_in_place.load(Ordering::Relaxed),
+    );
+    metric(
+        "sluice_worker_kv_blocks_pushed_as_bytes_total",
+        "counter",
+        "KV blocks this worker prefilled and sent to a decode worker as bytes (TCP).",
+        m.kv_blocks_as_bytes.load(Ordering::Relaxed),
     );
     metric(
         "sluice_worker_active_requests",

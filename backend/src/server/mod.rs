@@ -34,6 +34,10 @@ pub struct Metrics {
     pub prompt_tokens: AtomicU64,
     pub cached_prompt_tokens: AtomicU64,
     pub completion_tokens: AtomicU64,
+    /// Blocks this worker pushed as a prefill worker: copied into the decode
+    /// worker's cache directly, and sent as bytes.
+    pub kv_blocks_in_place: AtomicU64,
+    pub kv_blocks_as_bytes: AtomicU64,
 }
 
 impl Metrics {
@@ -58,6 +62,9 @@ pub struct WorkerState {
     pub kv_addr: Option<String>,
     /// How this worker sends KV when it prefills for another.
     pub transport: Arc<dyn crate::transfer::KvTransport>,
+    /// Copy KV straight into decode workers' caches where both are on one
+    /// node and can (CUDA IPC); false: always bytes.
+    pub kv_direct: bool,
     /// The OpenAI layer over this worker's model.
     pub frontend: Arc<Frontend>,
     /// The name clients use in `model`.
@@ -87,6 +94,7 @@ impl WorkerState {
             role: crate::transfer::Role::Both,
             kv_addr: None,
             transport: Arc::new(crate::transfer::tcp::TcpTransport::default()),
+            kv_direct: true,
             frontend,
             model_name,
             instance: format!("{:x}", started_unix ^ u64::from(std::process::id())),
@@ -200,6 +208,8 @@ pub struct WorkerConfig {
     pub advertise: Option<String>,
     /// The gateway's admin token, for registering.
     pub register_token: Option<String>,
+    /// Same-node direct KV copies when prefilling (`WorkerState::kv_direct`).
+    pub kv_direct: bool,
 }
 
 /// Why a worker could not start.
@@ -255,13 +265,14 @@ pub async fn run_worker(config: WorkerConfig) -> Result<(), WorkerError> {
         device: config.device,
         source,
     })?;
-    let state = WorkerState::new(Arc::new(engine), name)
+    let mut state = WorkerState::new(Arc::new(engine), name)
         .with_role(config.role, config.kv_listen, config.kv_advertise.clone())
         .await
         .map_err(|source| WorkerError::Listen {
             addr: config.kv_listen,
             source,
         })?;
+    state.kv_direct = config.kv_direct;
     if let Some(kv) = &state.kv_addr {
         tracing::info!(role = %state.role, kv_addr = %kv, "KV listener ready");
     }

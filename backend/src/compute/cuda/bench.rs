@@ -205,31 +205,70 @@ pub fn peer_transfer(
     let src_cache = CudaKvCache::new(src, config, pages, block_size)?;
     let mut dst_cache = CudaKvCache::new(dst, config, pages, block_size)?;
     // Scattered: a page goes to another slot, in a shuffled order.
-    let shuffled = |seed: u64| -> Vec<u32> {
-        let mut v: Vec<u32> = (0..pages as u32).collect();
-        let mut x = seed;
-        for i in (1..v.len()).rev() {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            v.swap(i, (x >> 33) as usize % (i + 1));
-        }
-        v
-    };
-    let (from, to) = (shuffled(1), shuffled(2));
+    let (from, to) = (shuffled(pages, 1), shuffled(pages, 2));
     let s = median_secs(dst, &mut || {
         copy_pages(dst, &mut dst_cache, &to, src, &src_cache, &from)
     })?;
+    Ok(transfer_figure(config, pages, block_size, s))
+}
+
+/// The scattered page order the transfer benches use (a seeded shuffle).
+fn shuffled(pages: usize, seed: u64) -> Vec<u32> {
+    let mut v: Vec<u32> = (0..pages as u32).collect();
+    let mut x = seed;
+    for i in (1..v.len()).rev() {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        v.swap(i, (x >> 33) as usize % (i + 1));
+    }
+    v
+}
+
+fn transfer_figure(
+    config: &crate::model::LlamaConfig,
+    pages: usize,
+    block_size: usize,
+    s: f64,
+) -> TransferFigure {
     let page_bytes = block_size * config.kv_dim() * 2;
     let bytes = pages * config.n_layers * 2 * page_bytes;
-    Ok(TransferFigure {
+    TransferFigure {
         pages,
         page_bytes,
         layers: config.n_layers,
         bytes,
         ms_median: s * 1e3,
         gb_s: bytes as f64 / s / 1e9,
-    })
+    }
+}
+
+/// `pages` scattered KV pages of the `config` shape from a cache on `src`
+/// into the cache another process shared as `share` (CUDA IPC; made with
+/// [`super::transfer::share_of`] over `pages` pages), as a prefill worker
+/// writes a decode worker's pages: `PeerCaches::copy_into`, one launch and
+/// its wait, median of 5 after a warm-up (the first maps the handles).
+pub fn ipc_transfer(
+    src: &Gpu,
+    share: crate::transfer::KvShare,
+    config: &crate::model::LlamaConfig,
+    pages: usize,
+    block_size: usize,
+) -> Result<TransferFigure, GpuError> {
+    use super::model::CudaKvCache;
+    use super::transfer::PeerCaches;
+    let src_cache = CudaKvCache::new(src, config, pages, block_size)?;
+    let target = crate::transfer::DirectTarget {
+        share,
+        from_block: 0,
+        pages: shuffled(pages, 2),
+    };
+    let from = shuffled(pages, 1);
+    let mut peers = PeerCaches::default();
+    let s = median_secs(src, &mut || {
+        peers.copy_into(src, &src_cache, &target, 0, &from)
+    })?;
+    Ok(transfer_figure(config, pages, block_size, s))
 }
 
 /// The median wall time of `f` over 5 runs after one warm-up, `gpu`'s stream
