@@ -1,7 +1,9 @@
-// KV pages from one GPU's cache into another's, run on the destination GPU and
-// reading the source over peer access (NVLink): one launch moves every page
-// of every layer, K and V, where a memcpy per page would pay a call each
-// (../shared/GPU.md measured 16 GB/s that way, 366 GB/s with one kernel).
+// KV pages from one cache into another: run on the destination GPU reading
+// the source over peer access (NVLink, two GPUs of one process), or on the
+// source GPU writing a cache another process shared through CUDA IPC (a
+// prefill worker filling a decode worker's pages). One launch moves every
+// page of every layer, K and V, where a memcpy per page would pay a call
+// each (../shared/GPU.md measured 16 GB/s that way, 366 GB/s with one kernel).
 //
 // Grid: (page, layer, 0 = K / 1 = V); each block copies one page of one layer,
 // 16 bytes per thread per load. page_elems (block_size x kv_dim) is a multiple

@@ -24,7 +24,9 @@ use sluice_backend::kv::KvStorage;
 use sluice_backend::model::{Llama, SeqChunk, Tokenizer};
 use sluice_backend::transfer::tcp::{TcpTransport, serve_kv};
 use sluice_backend::transfer::wire::Frame;
-use sluice_backend::transfer::{DirectTarget, KvLayout, KvShare, KvTarget, KvTransport, node_id};
+use sluice_backend::transfer::{
+    DIRECT_GRACE, DirectTarget, KvLayout, KvShare, KvTarget, KvTransport, node_id, unix_ms,
+};
 use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -304,20 +306,76 @@ async fn a_copy_that_fails_sends_the_blocks_as_bytes_instead() {
     let want = tokens(&mut rx).await.unwrap();
 
     let transport = TcpTransport::default();
-    let (mut rx, target, blocks) = reserve(&decode, &addr, &request).await;
-    let mut direct = transport
-        .direct(&target, prefill.kv_share.as_ref().unwrap())
-        .await
-        .unwrap()
+    let spoil: [fn(&mut DirectTarget); 2] = [
+        // A cache that cannot be mapped (on a GPU: a stale or foreign handle).
+        |d| d.share.k_handle = u64::MAX.to_le_bytes().to_vec(),
+        // A reservation about to expire: no copy starts that close to it.
+        |d| d.expires_unix_ms = unix_ms(),
+    ];
+    for spoil in spoil {
+        let (mut rx, target, blocks) = reserve(&decode, &addr, &request).await;
+        let mut direct = transport
+            .direct(&target, prefill.kv_share.as_ref().unwrap())
+            .await
+            .unwrap()
+            .unwrap();
+        spoil(&mut direct);
+        let (_, _events, kv) =
+            prefill.submit_prefill(request.clone(), target.from_block, Some(direct));
+        let pushed = transport.push(target, prefill.kv_layout, kv).await.unwrap();
+        assert_eq!((pushed.blocks, pushed.in_place), (blocks, 0));
+        assert_eq!(
+            pushed.bytes,
+            u64::from(blocks) * prefill.kv_layout.block_bytes() as u64
+        );
+        assert_eq!(tokens(&mut rx).await.unwrap(), want);
+    }
+}
+
+/// A direct import that fails keeps its pages out of use until the grace
+/// after its deadline (the prefill worker may still be copying into them),
+/// then lets them go; a bytes import that fails frees them at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_direct_import_holds_its_pages_until_no_copy_can_come() {
+    let kv_wait = Duration::from_millis(300);
+    let decode = shared_engine(EngineConfig {
+        kv_wait,
+        ..EngineConfig::default()
+    });
+    let addr = listen(&decode).await;
+    let local = shared_engine(EngineConfig::default())
+        .kv_share
+        .clone()
         .unwrap();
-    // A cache that cannot be mapped (on a GPU: a stale or foreign handle).
-    direct.share.k_handle = u64::MAX.to_le_bytes().to_vec();
-    let (_, _events, kv) = prefill.submit_prefill(request.clone(), target.from_block, Some(direct));
-    let pushed = transport.push(target, prefill.kv_layout, kv).await.unwrap();
-    assert_eq!((pushed.blocks, pushed.in_place), (blocks, 0));
-    assert_eq!(
-        pushed.bytes,
-        u64::from(blocks) * prefill.kv_layout.block_bytes() as u64
-    );
-    assert_eq!(tokens(&mut rx).await.unwrap(), want);
+    let request = greedy("Name three colors.", 4);
+    for direct in [false, true] {
+        let started = std::time::Instant::now();
+        let (mut rx, target, _) = reserve(&decode, &addr, &request).await;
+        if direct {
+            let d = TcpTransport::default()
+                .direct(&target, &local)
+                .await
+                .unwrap();
+            assert!(d.is_some());
+        }
+        // Nobody sends anything: the reservation times out.
+        let error = tokens(&mut rx).await.unwrap_err();
+        assert!(error.contains("no KV arrived"), "{error}");
+        let used = decode.load().kv_blocks_used;
+        if direct {
+            assert!(used > 0, "the failed direct import's pages are held");
+            let limit = kv_wait + DIRECT_GRACE + Duration::from_secs(3);
+            while decode.load().kv_blocks_used > 0 {
+                assert!(started.elapsed() < limit, "held past {limit:?}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            assert!(
+                started.elapsed() >= kv_wait + DIRECT_GRACE,
+                "freed after {:?}, before the grace ended",
+                started.elapsed()
+            );
+        } else {
+            assert_eq!(used, 0, "a bytes import's blocks are freed at once");
+        }
+    }
 }

@@ -24,7 +24,10 @@ use super::sampling::{Sampled, Sampler};
 use super::types::{FinishReason, GenerateEvent, GenerateRequest, Load, TokenOut, Usage};
 use crate::kv::{BlockPool, KvEvent, KvStorage, PoolUsage, hash};
 use crate::model::{Llama, Logits, SeqChunk, Tokenizer};
-use crate::transfer::{DirectTarget, KvDtype, KvExport, KvLayout, KvShare, convert};
+use crate::transfer::{
+    DIRECT_GRACE, DIRECT_MARGIN, DirectTarget, KvDtype, KvExport, KvLayout, KvShare, convert,
+    unix_ms,
+};
 
 /// Sizes of the engine.
 #[derive(Clone, Debug)]
@@ -114,7 +117,7 @@ enum Command {
         request: GenerateRequest,
         out: tmpsc::UnboundedSender<GenerateEvent>,
         /// Prefill only: where finished blocks go.
-        export: Option<ExportTo>,
+        export: Option<Box<ExportTo>>,
     },
     /// The reserved pages of an import, for a direct transfer.
     Pages {
@@ -189,6 +192,7 @@ impl Engine {
             waiting: VecDeque::new(),
             running: Vec::new(),
             receiving: Vec::new(),
+            held: Vec::new(),
             commands: rx,
             load: load.clone(),
             kv_events: kv_events.clone(),
@@ -252,7 +256,7 @@ impl Engine {
             out,
             direct,
         };
-        let (id, rx) = self.submit_as(request, Some(export));
+        let (id, rx) = self.submit_as(request, Some(Box::new(export)));
         (id, rx, kv_rx)
     }
 
@@ -277,7 +281,7 @@ impl Engine {
     fn submit_as(
         &self,
         request: GenerateRequest,
-        export: Option<ExportTo>,
+        export: Option<Box<ExportTo>>,
     ) -> (u64, tmpsc::UnboundedReceiver<GenerateEvent>) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (out, rx) = tmpsc::unbounded_channel();
@@ -469,6 +473,10 @@ struct Core {
     running: Vec<Seq>,
     /// Admitted `remote_prefill` requests waiting for their KV.
     receiving: Vec<Seq>,
+    /// Blocks of direct imports that failed or were cancelled, out of use
+    /// until the time given: a prefill worker may still be copying into
+    /// them (`DirectTarget::expires_unix_ms`).
+    held: Vec<(Vec<u32>, Instant)>,
     commands: mpsc::Receiver<Command>,
     load: Arc<Mutex<Load>>,
     kv_events: broadcast::Sender<NumberedKvEvent>,
@@ -492,6 +500,7 @@ impl Core {
                     .receiving
                     .iter()
                     .filter_map(Seq::kv_deadline)
+                    .chain(self.held.iter().map(|h| h.1))
                     .min()
                     .map(|d| d.min(Instant::now() + Duration::from_millis(50)));
                 let next = match deadline {
@@ -580,7 +589,7 @@ impl Core {
                 }
                 // An export prefills all but the last prompt token: the
                 // decode worker runs that one and samples.
-                let mode = match export {
+                let mode = match export.map(|e| *e) {
                     Some(ExportTo {
                         from_block,
                         out,
@@ -638,7 +647,7 @@ impl Core {
                     let seq = self.waiting.remove(i).expect("index found");
                     self.finish(seq, FinishReason::Cancelled);
                 } else if let Some(i) = self.receiving.iter().position(|s| s.id == id) {
-                    let seq = self.receiving.remove(i);
+                    let seq = self.end_import(i);
                     self.finish(seq, FinishReason::Cancelled);
                 }
             }
@@ -663,7 +672,7 @@ impl Core {
             to_block,
             received,
             direct,
-            ..
+            deadline,
         } = &mut seq.mode
         else {
             unreachable!("only imports wait in `receiving`");
@@ -672,10 +681,12 @@ impl Core {
             return Err("the transfer into this request has begun already".into());
         }
         *direct = true;
+        let left = deadline.saturating_duration_since(Instant::now());
         Ok(DirectTarget {
             share,
             from_block: *from_block as u32,
             pages: seq.blocks[*from_block..*to_block].to_vec(),
+            expires_unix_ms: unix_ms() + left.as_millis() as u64,
         })
     }
 
@@ -774,10 +785,27 @@ impl Core {
             KvIntake::Abort(reason) => Err(reason),
         };
         if let Err(e) = &result {
-            let seq = self.receiving.remove(i);
+            let seq = self.end_import(i);
             self.fail(seq, format!("the KV transfer failed: {e}"), 503);
         }
         result
+    }
+
+    /// Takes `receiving[i]` out before it fails or is cancelled; a direct
+    /// import's blocks go to `held` instead of back with the sequence (the
+    /// sender may still be copying into them).
+    fn end_import(&mut self, i: usize) -> Seq {
+        let mut seq = self.receiving.remove(i);
+        if let Mode::Import {
+            direct: true,
+            deadline,
+            ..
+        } = seq.mode
+        {
+            self.held
+                .push((std::mem::take(&mut seq.blocks), deadline + DIRECT_GRACE));
+        }
+        seq
     }
 
     /// Releases a sequence's blocks and ends it with an error.
@@ -816,7 +844,13 @@ impl Core {
         let mut in_place = false;
         if let Some(target) = direct {
             let offset = *next_block - target.from_block as usize;
-            match self.executor.copy_kv_into(target, offset, blocks) {
+            let late = unix_ms() + DIRECT_MARGIN.as_millis() as u64 >= target.expires_unix_ms;
+            let copied = if late {
+                Err("the reservation's deadline is too close".to_string())
+            } else {
+                self.executor.copy_kv_into(target, offset, blocks)
+            };
+            match copied {
                 Ok(()) => in_place = true,
                 Err(e) => {
                     tracing::warn!(
@@ -976,14 +1010,21 @@ impl Core {
         }
         self.waiting.retain(|s| !s.out.is_closed());
         let now = Instant::now();
+        let (free, held): (Vec<_>, Vec<_>) = std::mem::take(&mut self.held)
+            .into_iter()
+            .partition(|h| h.1 <= now);
+        self.held = held;
+        for (blocks, _) in free {
+            self.pool.release(&blocks);
+        }
         let mut i = 0;
         while i < self.receiving.len() {
             let seq = &self.receiving[i];
             if seq.out.is_closed() {
-                let seq = self.receiving.remove(i);
+                let seq = self.end_import(i);
                 self.finish(seq, FinishReason::Cancelled);
             } else if seq.kv_deadline().is_some_and(|d| d <= now) {
-                let seq = self.receiving.remove(i);
+                let seq = self.end_import(i);
                 let wait = self.config.kv_wait;
                 self.fail(
                     seq,

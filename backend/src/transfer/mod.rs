@@ -181,6 +181,24 @@ pub struct DirectTarget {
     pub share: KvShare,
     pub from_block: u32,
     pub pages: Vec<u32>,
+    /// The reservation's deadline, Unix ms (one clock: one node). The
+    /// decode side keeps the pages of a failed or cancelled direct import
+    /// out of use until [`DIRECT_GRACE`] after it, and the prefill side
+    /// starts no copy later than [`DIRECT_MARGIN`] before it, so that a
+    /// late copy never lands in pages another request holds.
+    pub expires_unix_ms: u64,
+}
+
+/// How long after a direct reservation's deadline its pages stay unused.
+pub const DIRECT_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+/// How close to the deadline a prefill worker stops copying (then bytes).
+pub const DIRECT_MARGIN: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Now, in Unix ms.
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// Where a prefill worker sends a request's KV: the decode worker's

@@ -316,6 +316,7 @@ mod tests {
                     share: share(),
                     from_block: 2,
                     pages: vec![40, 3, 17],
+                    expires_unix_ms: 1_764_000_000_000,
                 }),
             },
             Frame::Landed {

@@ -262,6 +262,7 @@ pub fn ipc_transfer(
         share,
         from_block: 0,
         pages: shuffled(pages, 2),
+        expires_unix_ms: u64::MAX,
     };
     let from = shuffled(pages, 1);
     let mut peers = PeerCaches::default();
