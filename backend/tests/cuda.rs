@@ -536,7 +536,7 @@ fn prefill_on_one_gpu_and_decode_on_another_equals_aggregated() {
 /// chunk, so the two may part at a near-tie, as the GPU and CPU may.
 #[test]
 fn disaggregated_engines_on_the_gpu_equal_aggregated() {
-    use sluice_backend::transfer::tcp::{TcpTransport, serve_kv};
+    use sluice_backend::transfer::tcp::TcpTransport;
     use sluice_backend::transfer::{KvDtype, KvTarget, KvTransport};
     if !gpu_present() {
         return;
@@ -547,16 +547,7 @@ fn disaggregated_engines_on_the_gpu_equal_aggregated() {
     let decode = Arc::new(engine(Device::Cuda(0)));
     assert_eq!(decode.kv_layout.dtype, KvDtype::Bf16);
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let addr = runtime.block_on(async {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        tokio::spawn(serve_kv(
-            listener,
-            decode.clone(),
-            std::time::Duration::from_secs(30),
-        ));
-        addr
-    });
+    let addr = runtime.block_on(common::kv_listener(&decode));
     let (mut compared, mut total) = (0, 0);
     for (i, want) in aggregated.iter().enumerate() {
         let prompt = tok.encode(PROMPTS[i]).unwrap();
@@ -615,7 +606,7 @@ fn disaggregated_engines_on_the_gpu_equal_aggregated() {
 /// runs two `sluice worker`s.
 #[test]
 fn direct_transfers_on_the_gpu_equal_transfers_as_bytes() {
-    use sluice_backend::transfer::tcp::{TcpTransport, serve_kv};
+    use sluice_backend::transfer::tcp::TcpTransport;
     use sluice_backend::transfer::{KvTarget, KvTransport};
     if !gpu_present() {
         return;
@@ -628,16 +619,7 @@ fn direct_transfers_on_the_gpu_equal_transfers_as_bytes() {
     let decoders: Vec<(Arc<Engine>, String)> = (0..2)
         .map(|_| {
             let decode = Arc::new(engine(Device::Cuda(0)));
-            let addr = runtime.block_on(async {
-                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-                let addr = listener.local_addr().unwrap().to_string();
-                tokio::spawn(serve_kv(
-                    listener,
-                    decode.clone(),
-                    std::time::Duration::from_secs(30),
-                ));
-                addr
-            });
+            let addr = runtime.block_on(common::kv_listener(&decode));
             (decode, addr)
         })
         .collect();
@@ -671,16 +653,7 @@ fn direct_transfers_on_the_gpu_equal_transfers_as_bytes() {
                     (pushed.blocks, pushed.in_place),
                     (reserved.blocks, in_place)
                 );
-                let mut ids = Vec::new();
-                while let Some(event) = reserved.events.recv().await {
-                    match event {
-                        GenerateEvent::Token(t) => ids.push(t.id),
-                        GenerateEvent::Finished { .. } => break,
-                        GenerateEvent::Error { message, .. } => panic!("{message}"),
-                        _ => {}
-                    }
-                }
-                ids
+                common::tokens(&mut reserved.events).await.unwrap()
             });
             answers.push(got);
         }

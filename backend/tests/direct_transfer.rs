@@ -12,17 +12,17 @@
 
 mod common;
 
+use common::{kv_listener, tokens};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use sluice_backend::engine::{
-    Engine, EngineConfig, Executor, FinishReason, GenerateEvent, GenerateRequest, ModelExecutor,
-    Next,
+    Engine, EngineConfig, Executor, GenerateEvent, GenerateRequest, ModelExecutor, Next,
 };
 use sluice_backend::kv::KvStorage;
 use sluice_backend::model::{Llama, SeqChunk, Tokenizer};
-use sluice_backend::transfer::tcp::{TcpTransport, serve_kv};
+use sluice_backend::transfer::tcp::TcpTransport;
 use sluice_backend::transfer::wire::Frame;
 use sluice_backend::transfer::{
     DIRECT_GRACE, DirectTarget, KvLayout, KvShare, KvTarget, KvTransport, node_id, unix_ms,
@@ -142,33 +142,10 @@ fn plain_engine() -> Arc<Engine> {
     Arc::new(Engine::start(m.clone(), t.clone(), EngineConfig::default()))
 }
 
-async fn listen(engine: &Arc<Engine>) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    tokio::spawn(serve_kv(listener, engine.clone(), Duration::from_secs(10)));
-    addr
-}
-
 fn greedy(question: &str, max_tokens: u32) -> GenerateRequest {
     let mut r = GenerateRequest::new(common::chat_tokens(&model().1, question), max_tokens);
     r.sampling.temperature = 0.0;
     r
-}
-
-async fn tokens(rx: &mut UnboundedReceiver<GenerateEvent>) -> Result<Vec<u32>, String> {
-    let mut ids = Vec::new();
-    while let Some(event) = rx.recv().await {
-        match event {
-            GenerateEvent::Token(t) => ids.push(t.id),
-            GenerateEvent::Finished { reason, .. } => {
-                assert_ne!(reason, FinishReason::Cancelled);
-                return Ok(ids);
-            }
-            GenerateEvent::Error { message, .. } => return Err(message),
-            _ => {}
-        }
-    }
-    Err("the stream ended without a last event".into())
 }
 
 /// Reserves `request` on `decode` and names the transfer's target.
@@ -195,7 +172,7 @@ async fn direct_transfers_give_the_aggregated_tokens_and_send_no_bytes() {
         ..EngineConfig::default()
     });
     let decode = shared_engine(EngineConfig::default());
-    let addr = listen(&decode).await;
+    let addr = kv_listener(&decode).await;
     let local = prefill.kv_share.clone().expect("a shared cache");
     for question in [
         "What is the capital of France?",
@@ -235,7 +212,7 @@ async fn without_a_shared_cache_or_on_another_node_the_blocks_go_as_bytes() {
 
     // A decode worker whose cache is not shared refuses: bytes it is.
     let unshared = plain_engine();
-    let addr = listen(&unshared).await;
+    let addr = kv_listener(&unshared).await;
     let (mut rx, target, _) = reserve(&unshared, &addr, &request).await;
     assert_eq!(transport.direct(&target, &local).await.unwrap(), None);
     let (_, _events, kv) = prefill.submit_prefill(request.clone(), target.from_block, None);
@@ -246,7 +223,7 @@ async fn without_a_shared_cache_or_on_another_node_the_blocks_go_as_bytes() {
 
     // A sender on another node is refused too.
     let decode = shared_engine(EngineConfig::default());
-    let addr = listen(&decode).await;
+    let addr = kv_listener(&decode).await;
     let (mut rx, target, _) = reserve(&decode, &addr, &request).await;
     let elsewhere = KvShare {
         node: "another-machine".into(),
@@ -300,7 +277,7 @@ async fn a_copy_that_fails_sends_the_blocks_as_bytes_instead() {
         ..EngineConfig::default()
     });
     let decode = shared_engine(EngineConfig::default());
-    let addr = listen(&decode).await;
+    let addr = kv_listener(&decode).await;
     let request = greedy("Write a haiku about the sea.", 12);
     let (_, mut rx) = plain_engine().submit(request.clone());
     let want = tokens(&mut rx).await.unwrap();
@@ -342,7 +319,7 @@ async fn a_failed_direct_import_holds_its_pages_until_no_copy_can_come() {
         kv_wait,
         ..EngineConfig::default()
     });
-    let addr = listen(&decode).await;
+    let addr = kv_listener(&decode).await;
     let local = shared_engine(EngineConfig::default())
         .kv_share
         .clone()

@@ -9,7 +9,8 @@ mod common;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use sluice_backend::engine::{Engine, EngineConfig, FinishReason, GenerateEvent, GenerateRequest};
+use common::tokens;
+use sluice_backend::engine::{Engine, EngineConfig, GenerateEvent, GenerateRequest};
 use sluice_backend::model::{Llama, Tokenizer};
 use sluice_backend::transfer::tcp::{TcpTransport, serve_kv};
 use sluice_backend::transfer::wire::Frame;
@@ -48,23 +49,6 @@ fn greedy(prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
     let mut r = GenerateRequest::new(prompt, max_tokens);
     r.sampling.temperature = 0.0;
     r
-}
-
-/// The generated ids, or the error message.
-async fn tokens(rx: &mut UnboundedReceiver<GenerateEvent>) -> Result<Vec<u32>, String> {
-    let mut ids = Vec::new();
-    while let Some(event) = rx.recv().await {
-        match event {
-            GenerateEvent::Token(t) => ids.push(t.id),
-            GenerateEvent::Finished { reason, .. } => {
-                assert_ne!(reason, FinishReason::Cancelled);
-                return Ok(ids);
-            }
-            GenerateEvent::Error { message, .. } => return Err(message),
-            GenerateEvent::Started { .. } | GenerateEvent::AwaitingKv { .. } => {}
-        }
-    }
-    Err("the stream ended without a last event".into())
 }
 
 /// Reserves `request`'s blocks on `decode`: its events, the handle, the

@@ -1,5 +1,6 @@
-//! Shared by the worker's integration tests: where the real model is, and
-//! JSON over HTTP. Not every test file calls every helper.
+//! Shared by the worker's integration tests: where the real model is, JSON
+//! over HTTP, a request's generated ids, a KV listener. Not every test file
+//! calls every helper.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
@@ -33,4 +34,38 @@ pub fn chat_tokens(tok: &sluice_backend::model::Tokenizer, question: &str) -> Ve
         )
         .unwrap();
     tok.encode(&text).unwrap()
+}
+
+/// The ids a request generated up to its last event, or the error it ended
+/// with; a cancelled request is a test failure.
+pub async fn tokens(
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<sluice_backend::engine::GenerateEvent>,
+) -> Result<Vec<u32>, String> {
+    use sluice_backend::engine::{FinishReason, GenerateEvent};
+    let mut ids = Vec::new();
+    while let Some(event) = rx.recv().await {
+        match event {
+            GenerateEvent::Token(t) => ids.push(t.id),
+            GenerateEvent::Finished { reason, .. } => {
+                assert_ne!(reason, FinishReason::Cancelled);
+                return Ok(ids);
+            }
+            GenerateEvent::Error { message, .. } => return Err(message),
+            GenerateEvent::Started { .. } | GenerateEvent::AwaitingKv { .. } => {}
+        }
+    }
+    Err("the stream ended without a last event".into())
+}
+
+/// A KV listener for `engine` on a free loopback port (inside a tokio
+/// runtime); its address.
+pub async fn kv_listener(engine: &std::sync::Arc<sluice_backend::engine::Engine>) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(sluice_backend::transfer::tcp::serve_kv(
+        listener,
+        engine.clone(),
+        std::time::Duration::from_secs(30),
+    ));
+    addr
 }
