@@ -27,7 +27,6 @@ use sluice_backend::transfer::wire::Frame;
 use sluice_backend::transfer::{
     DIRECT_GRACE, DirectTarget, KvLayout, KvShare, KvTarget, KvTransport, node_id, unix_ms,
 };
-use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 fn model() -> &'static (Arc<Llama>, Arc<Tokenizer>) {
@@ -232,7 +231,6 @@ async fn without_a_shared_cache_or_on_another_node_the_blocks_go_as_bytes() {
     assert_eq!(transport.direct(&target, &elsewhere).await.unwrap(), None);
     // ... and so are blocks that "landed" without pages handed out: the
     // decode side never let anyone write them.
-    let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
     let mut frames = Vec::new();
     for f in [
         Frame::Hello {
@@ -247,10 +245,7 @@ async fn without_a_shared_cache_or_on_another_node_the_blocks_go_as_bytes() {
     ] {
         f.write(&mut frames).await.unwrap();
     }
-    s.write_all(&frames).await.unwrap();
-    let mut answer = Vec::new();
-    let _ = tokio::io::AsyncReadExt::read_to_end(&mut s, &mut answer).await;
-    let ack = Frame::read(&mut &answer[..]).await.unwrap().unwrap();
+    let ack = common::kv_answer(&addr, &frames).await;
     assert!(
         matches!(&ack, Frame::Ack { ok: false, message, .. } if message.contains("never handed out")),
         "{ack:?}"
@@ -338,6 +333,8 @@ async fn a_failed_direct_import_holds_its_pages_until_no_copy_can_come() {
         // Nobody sends anything: the reservation times out.
         let error = tokens(&mut rx).await.unwrap_err();
         assert!(error.contains("no KV arrived"), "{error}");
+        // Well inside the grace (the load is published after each step).
+        tokio::time::sleep(Duration::from_secs(1)).await;
         let used = decode.load().kv_blocks_used;
         if direct {
             assert!(used > 0, "the failed direct import's pages are held");

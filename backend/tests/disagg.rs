@@ -236,11 +236,7 @@ async fn transfers_killed_at_random_points_leak_no_block() {
                 let at =
                     sluice_backend::transfer::wire::HEADER_BYTES * 2 + 8 + rng.below(1000) as usize;
                 bytes[at] ^= 1;
-                let mut s = tokio::net::TcpStream::connect(&kv_addr).await.unwrap();
-                s.write_all(&bytes).await.unwrap();
-                let mut answer = Vec::new();
-                let _ = tokio::io::AsyncReadExt::read_to_end(&mut s, &mut answer).await;
-                let ack = Frame::read(&mut &answer[..]).await.unwrap().unwrap();
+                let ack = common::kv_answer(&kv_addr, &bytes).await;
                 assert!(
                     matches!(&ack, Frame::Ack { ok: false, message, .. } if message.contains("checksum")),
                     "{ack:?}"

@@ -69,3 +69,17 @@ pub async fn kv_listener(engine: &std::sync::Arc<sluice_backend::engine::Engine>
     ));
     addr
 }
+
+/// Writes `bytes` to a KV listener at `addr` as one connection and reads
+/// the frame it answers (a refusal, say).
+pub async fn kv_answer(addr: &str, bytes: &[u8]) -> sluice_backend::transfer::wire::Frame {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    let mut answer = Vec::new();
+    let _ = s.read_to_end(&mut answer).await;
+    sluice_backend::transfer::wire::Frame::read(&mut &answer[..])
+        .await
+        .unwrap()
+        .expect("an answer frame")
+}
