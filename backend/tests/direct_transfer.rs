@@ -21,22 +21,13 @@ use sluice_backend::engine::{
     Engine, EngineConfig, Executor, GenerateEvent, GenerateRequest, ModelExecutor, Next,
 };
 use sluice_backend::kv::KvStorage;
-use sluice_backend::model::{Llama, SeqChunk, Tokenizer};
+use sluice_backend::model::SeqChunk;
 use sluice_backend::transfer::tcp::TcpTransport;
 use sluice_backend::transfer::wire::Frame;
 use sluice_backend::transfer::{
     DIRECT_GRACE, DirectTarget, KvLayout, KvShare, KvTarget, KvTransport, node_id, unix_ms,
 };
 use tokio::sync::mpsc::UnboundedReceiver;
-
-fn model() -> &'static (Arc<Llama>, Arc<Tokenizer>) {
-    static MODEL: OnceLock<(Arc<Llama>, Arc<Tokenizer>)> = OnceLock::new();
-    MODEL.get_or_init(|| {
-        let loaded = sluice_backend::model::load(&common::model_path())
-            .unwrap_or_else(|e| panic!("{e}. Fetch the model with `make model`"));
-        (Arc::new(loaded.llama), Arc::new(loaded.tokenizer))
-    })
-}
 
 /// Executors whose caches other engines may write, by id (what a CUDA IPC
 /// handle names on a GPU).
@@ -56,7 +47,7 @@ struct SharedCpu {
 impl SharedCpu {
     fn new(config: &EngineConfig) -> SharedCpu {
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-        let m = model().0.clone();
+        let m = common::loaded_model().0.clone();
         let c = &m.config;
         let storage = KvStorage::new(
             c.n_layers,
@@ -133,16 +124,23 @@ impl Executor for SharedCpu {
 
 fn shared_engine(config: EngineConfig) -> Arc<Engine> {
     let executor = Box::new(SharedCpu::new(&config));
-    Arc::new(Engine::start_with(executor, model().1.clone(), config))
+    Arc::new(Engine::start_with(
+        executor,
+        common::loaded_model().1.clone(),
+        config,
+    ))
 }
 
 fn plain_engine() -> Arc<Engine> {
-    let (m, t) = model();
+    let (m, t) = common::loaded_model();
     Arc::new(Engine::start(m.clone(), t.clone(), EngineConfig::default()))
 }
 
 fn greedy(question: &str, max_tokens: u32) -> GenerateRequest {
-    let mut r = GenerateRequest::new(common::chat_tokens(&model().1, question), max_tokens);
+    let mut r = GenerateRequest::new(
+        common::chat_tokens(&common::loaded_model().1, question),
+        max_tokens,
+    );
     r.sampling.temperature = 0.0;
     r
 }

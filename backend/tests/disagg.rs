@@ -6,29 +6,19 @@
 
 mod common;
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::tokens;
 use sluice_backend::engine::{Engine, EngineConfig, GenerateEvent, GenerateRequest};
-use sluice_backend::model::{Llama, Tokenizer};
 use sluice_backend::transfer::tcp::{TcpTransport, serve_kv};
 use sluice_backend::transfer::wire::Frame;
 use sluice_backend::transfer::{KvTarget, KvTransport, TransferError};
 use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-fn model() -> &'static (Arc<Llama>, Arc<Tokenizer>) {
-    static MODEL: OnceLock<(Arc<Llama>, Arc<Tokenizer>)> = OnceLock::new();
-    MODEL.get_or_init(|| {
-        let loaded = sluice_backend::model::load(&common::model_path())
-            .unwrap_or_else(|e| panic!("{e}. Fetch the model with `make model`"));
-        (Arc::new(loaded.llama), Arc::new(loaded.tokenizer))
-    })
-}
-
 fn engine(config: EngineConfig) -> Arc<Engine> {
-    let (m, t) = model();
+    let (m, t) = common::loaded_model();
     Arc::new(Engine::start(m.clone(), t.clone(), config))
 }
 
@@ -42,7 +32,7 @@ async fn decode_worker(config: EngineConfig) -> (Arc<Engine>, String) {
 }
 
 fn chat(question: &str) -> Vec<u32> {
-    common::chat_tokens(&model().1, question)
+    common::chat_tokens(&common::loaded_model().1, question)
 }
 
 fn greedy(prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {

@@ -1087,11 +1087,7 @@ fn spawn_shared_cache(
     pages: usize,
 ) -> anyhow::Result<(sluice_backend::transfer::KvShare, HeldCache)> {
     use std::io::BufRead;
-    let gpu = if sluice_backend::compute::cuda::Gpu::open(1).is_ok() {
-        1
-    } else {
-        0
-    };
+    let gpu = usize::from(sluice_backend::compute::cuda::gpu_count() > 1);
     let mut child = std::process::Command::new(std::env::current_exe()?)
         .args(["bench", "transfer", "--ipc-hold", "--device"])
         .arg(format!("cuda:{gpu}"))

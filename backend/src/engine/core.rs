@@ -266,16 +266,7 @@ impl Engine {
     /// bytes). An error where the cache is not shared or no such request
     /// waits.
     pub async fn direct_pages(&self, handle: u64) -> Result<DirectTarget, String> {
-        let (reply, answer) = tokio::sync::oneshot::channel();
-        {
-            let commands = self.commands.lock().unwrap_or_else(|e| e.into_inner());
-            commands
-                .send(Command::Pages { handle, reply })
-                .map_err(|_| "the engine has stopped".to_string())?;
-        }
-        answer
-            .await
-            .unwrap_or_else(|_| Err("the engine has stopped".into()))
+        self.ask(|reply| Command::Pages { handle, reply }).await
     }
 
     fn submit_as(
@@ -307,15 +298,25 @@ impl Engine {
     /// `awaiting_kv` event named); resolves once the engine has applied it.
     /// Any error fails that request and releases its blocks.
     pub async fn receive_kv(&self, handle: u64, intake: KvIntake) -> Result<(), String> {
+        self.ask(|reply| Command::Kv {
+            handle,
+            intake,
+            reply,
+        })
+        .await
+    }
+
+    /// Sends the command `make` builds around a reply channel and waits for
+    /// the engine's answer.
+    async fn ask<T>(
+        &self,
+        make: impl FnOnce(tokio::sync::oneshot::Sender<Result<T, String>>) -> Command,
+    ) -> Result<T, String> {
         let (reply, answer) = tokio::sync::oneshot::channel();
         {
             let commands = self.commands.lock().unwrap_or_else(|e| e.into_inner());
             commands
-                .send(Command::Kv {
-                    handle,
-                    intake,
-                    reply,
-                })
+                .send(make(reply))
                 .map_err(|_| "the engine has stopped".to_string())?;
         }
         answer
@@ -654,8 +655,6 @@ impl Core {
         }
     }
 
-    /// Applies one step of a transfer into a receiving request; on any
-    /// error the request fails and its blocks are released.
     /// The pages an import's blocks go to, for a direct transfer; from then
     /// on the import takes blocks that landed without bytes.
     fn direct_pages(&mut self, handle: u64) -> Result<DirectTarget, String> {

@@ -71,6 +71,42 @@ impl TcpTransport {
         stream.set_nodelay(true)?;
         Ok(stream)
     }
+
+    /// [`KvTransport::direct`] over its own connection: `share ask`, then
+    /// the offer or the reason there is none.
+    async fn ask_direct(
+        self,
+        target: KvTarget,
+        local: KvShare,
+    ) -> Result<Option<DirectTarget>, TransferError> {
+        let stream = self.connect(&target.addr).await?;
+        let (mut rd, mut wr) = stream.into_split();
+        let ask = Frame::ShareAsk {
+            handle: target.handle,
+            share: Box::new(local),
+        };
+        within(self.io_timeout, ask.write(&mut wr)).await?;
+        match within(self.io_timeout, Frame::read(&mut rd)).await? {
+            Some(Frame::ShareOffer { handle, target: t }) if handle == target.handle => {
+                if t.from_block != target.from_block {
+                    return Err(TransferError::Protocol(format!(
+                        "pages offered from block {} where the transfer starts at {}",
+                        t.from_block, target.from_block
+                    )));
+                }
+                Ok(Some(*t))
+            }
+            Some(Frame::Ack {
+                ok: false, message, ..
+            }) => {
+                tracing::debug!(addr = %target.addr, %message, "no direct KV copies; bytes instead");
+                Ok(None)
+            }
+            other => Err(TransferError::Protocol(format!(
+                "expected a share offer, got {other:?}"
+            ))),
+        }
+    }
 }
 
 impl KvTransport for TcpTransport {
@@ -165,44 +201,6 @@ impl KvTransport for TcpTransport {
 }
 
 type Answer = Result<Result<Option<Frame>, TransferError>, tokio::task::JoinError>;
-
-impl TcpTransport {
-    /// [`KvTransport::direct`] over its own connection: `share ask`, then
-    /// the offer or the reason there is none.
-    async fn ask_direct(
-        self,
-        target: KvTarget,
-        local: KvShare,
-    ) -> Result<Option<DirectTarget>, TransferError> {
-        let stream = self.connect(&target.addr).await?;
-        let (mut rd, mut wr) = stream.into_split();
-        let ask = Frame::ShareAsk {
-            handle: target.handle,
-            share: Box::new(local),
-        };
-        within(self.io_timeout, ask.write(&mut wr)).await?;
-        match within(self.io_timeout, Frame::read(&mut rd)).await? {
-            Some(Frame::ShareOffer { handle, target: t }) if handle == target.handle => {
-                if t.from_block != target.from_block {
-                    return Err(TransferError::Protocol(format!(
-                        "pages offered from block {} where the transfer starts at {}",
-                        t.from_block, target.from_block
-                    )));
-                }
-                Ok(Some(*t))
-            }
-            Some(Frame::Ack {
-                ok: false, message, ..
-            }) => {
-                tracing::debug!(addr = %target.addr, %message, "no direct KV copies; bytes instead");
-                Ok(None)
-            }
-            other => Err(TransferError::Protocol(format!(
-                "expected a share offer, got {other:?}"
-            ))),
-        }
-    }
-}
 
 fn answer_is_eof(a: &Answer) -> bool {
     matches!(a, Ok(Ok(None)))

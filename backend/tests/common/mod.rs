@@ -1,4 +1,5 @@
-//! Shared by the worker's integration tests: where the real model is, JSON
+//! Shared by the worker's integration tests: where the real model is (and
+//! the model, loaded once), JSON
 //! over HTTP, a request's generated ids, a KV listener. Not every test file
 //! calls every helper.
 #![allow(dead_code)]
@@ -8,6 +9,24 @@ use std::path::{Path, PathBuf};
 /// `$SLUICE_MODEL`, else the SmolLM2 GGUF that `make model` fetches.
 pub fn model_path() -> PathBuf {
     sluice_backend::model::fetched_model(&Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
+}
+
+/// SmolLM2 and its tokenizer, loaded once per test binary.
+pub fn loaded_model() -> &'static (
+    std::sync::Arc<sluice_backend::model::Llama>,
+    std::sync::Arc<sluice_backend::model::Tokenizer>,
+) {
+    use std::sync::{Arc, OnceLock};
+    type Loaded = (
+        Arc<sluice_backend::model::Llama>,
+        Arc<sluice_backend::model::Tokenizer>,
+    );
+    static MODEL: OnceLock<Loaded> = OnceLock::new();
+    MODEL.get_or_init(|| {
+        let loaded = sluice_backend::model::load(&model_path())
+            .unwrap_or_else(|e| panic!("{e}. Fetch the model with `make model`"));
+        (Arc::new(loaded.llama), Arc::new(loaded.tokenizer))
+    })
 }
 
 /// POSTs JSON; returns the status and the JSON answer (`null` if none).

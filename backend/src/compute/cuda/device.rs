@@ -46,11 +46,16 @@ pub enum GpuError {
 
 /// True when the CUDA driver library can be loaded and sees at least one GPU.
 pub fn cuda_available() -> bool {
+    gpu_count() > 0
+}
+
+/// The GPUs the CUDA driver sees (0 without the driver library).
+pub fn gpu_count() -> usize {
     // SAFETY: only tries to open the library.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return false;
+        return 0;
     }
-    CudaContext::device_count().is_ok_and(|n| n > 0)
+    CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
 }
 
 /// The architecture NVRTC compiles for on a device of compute capability

@@ -6,7 +6,7 @@
 
 use crate::engine::{Executor, Next};
 use crate::model::SeqChunk;
-use crate::transfer::{DirectTarget, KvDtype, KvLayout, KvShare};
+use crate::transfer::{DirectTarget, KvLayout, KvShare};
 
 use super::device::GpuError;
 use super::model::{ChunkResult, CudaKvCache, CudaLlama, Numerics, StepOutput, Workspace};
@@ -79,12 +79,7 @@ impl Executor for CudaExecutor {
     }
 
     fn kv_layout(&self) -> KvLayout {
-        KvLayout {
-            n_layers: self.kv.n_layers as u32,
-            block_size: self.kv.block_size as u32,
-            kv_dim: self.kv.kv_dim as u32,
-            dtype: KvDtype::Bf16,
-        }
+        self.kv.layout()
     }
 
     /// Staged through the host, one copy per block, layer and K/V: this is

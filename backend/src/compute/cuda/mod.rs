@@ -17,7 +17,7 @@ mod plan;
 mod tests;
 pub mod transfer;
 
-pub use device::{Gpu, GpuError, cuda_available};
+pub use device::{Gpu, GpuError, cuda_available, gpu_count};
 pub use executor::CudaExecutor;
 pub use fp4::{
     FP4_GEMM_MAX_TOKENS, FP4_GEMV_MAX_TOKENS, FP4_SWEEP_TOKENS, Fp4PrefillFigure, Fp4Weights,

@@ -763,6 +763,16 @@ impl CudaKvCache {
         })
     }
 
+    /// How its blocks look outside it (BF16, the engine's `KvLayout`).
+    pub fn layout(&self) -> crate::transfer::KvLayout {
+        crate::transfer::KvLayout {
+            n_layers: self.n_layers as u32,
+            block_size: self.block_size as u32,
+            kv_dim: self.kv_dim as u32,
+            dtype: crate::transfer::KvDtype::Bf16,
+        }
+    }
+
     /// Bytes of K and V one token takes, across layers.
     pub fn bytes_per_token(&self) -> usize {
         2 * 2 * self.n_layers * self.kv_dim

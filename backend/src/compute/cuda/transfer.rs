@@ -10,10 +10,9 @@ use std::collections::HashMap;
 
 use cudarc::driver::sys;
 
-use super::device::DevPtr;
-use super::device::{Gpu, GpuError, grid};
+use super::device::{DevPtr, Gpu, GpuError, grid};
 use super::model::CudaKvCache;
-use crate::transfer::{DirectTarget, KvDtype, KvLayout, KvShare, node_id};
+use crate::transfer::{DirectTarget, KvShare, node_id};
 
 /// Lets kernels on `dst` read `src`'s memory. Errors where the two GPUs have
 /// no peer path.
@@ -157,22 +156,13 @@ pub fn share_of(gpu: &Gpu, kv: &CudaKvCache) -> Result<KvShare, GpuError> {
         node: node_id(),
         pid: std::process::id(),
         device: uuid_string(&uuid.bytes),
-        layout: layout_of(kv),
+        layout: kv.layout(),
         n_blocks: kv.n_blocks as u32,
         k_handle: handle(k_addr)?,
         v_handle: handle(v_addr)?,
         k_addr,
         v_addr,
     })
-}
-
-fn layout_of(kv: &CudaKvCache) -> KvLayout {
-    KvLayout {
-        n_layers: kv.n_layers as u32,
-        block_size: kv.block_size as u32,
-        kv_dim: kv.kv_dim as u32,
-        dtype: KvDtype::Bf16,
-    }
 }
 
 /// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi writes it.
@@ -217,14 +207,10 @@ impl PeerCaches {
         blocks: &[u32],
     ) -> Result<(), GpuError> {
         let peer = &target.share;
-        let theirs = KvLayout {
-            dtype: KvDtype::Bf16,
-            ..peer.layout
-        };
-        if peer.layout != theirs || layout_of(src) != theirs {
+        if peer.layout != src.layout() {
             return Err(GpuError::Other(format!(
                 "KV layouts differ: {:?} here, {:?} there",
-                layout_of(src),
+                src.layout(),
                 peer.layout
             )));
         }
