@@ -151,3 +151,171 @@ extern "C" __global__ void __launch_bounds__(128) gemv_swiglu_n1(
         out[blockIdx.x] = f32_to_bf16(silu_times(block_row_sum(partial, 0, 0), block_row_sum(partial, 1, 0)));
     }
 }
+
+// --- One token, the weights streamed through shared memory ---
+//
+// The kernels above give a block one or two rows, so a 4,096-row matrix is
+// 2,048 blocks that start together, wait on their loads together and end
+// together: under ncu a layer's one-wave matrices (QKV, o, down) read 2.6-3.5
+// TB/s where gate/up, seven waves of the same blocks, read 4.3 (BENCHMARKS.md,
+// "Weights streamed"). Here one block an SM takes a contiguous range of units
+// (a unit: the rows one output needs; a row, QKV's RoPE pair, or gate row b
+// with up row ffn + b) and streams them through a ring of `stages`
+// shared-memory stages filled by the bulk copy engine, each stage's landing
+// counted on its mbarrier: the whole ring is in flight from the start, no
+// register holds a load, and every SM has the same bytes to read. Stage s
+// belongs to warp s % warps (stages a multiple of warps), which takes the
+// units that land there in turn (unit i of the block in stage i % stages),
+// sums each row (lane l: 16-byte chunks l, l + 32, ... against x in shared
+// memory, in that order, then a warp sum: deterministic), hands the sums to
+// the epilogue and refills the stage with the unit `stages` on. Dynamic
+// shared memory: x (cols BF16, rounded up to 128 bytes), then the ring.
+// With one block an SM, each block can afford to make x itself while the
+// ring fills: the input projections take the residual row and normalize it
+// (NormX), so RMSNorm needs no launch of its own.
+#define STREAM_STAGES_MAX 32
+
+// x as it is (cols BF16) into shared memory at xs.
+struct CopyX {
+    const bf16* x;
+    int cols;
+    __device__ __forceinline__ void operator()(u32 xs) const {
+        for (int c = threadIdx.x; c < cols >> 3; c += blockDim.x) {
+            const uint4 v = __ldg((const uint4*)x + c);
+            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(xs + 16 * c), "r"(v.x), "r"(v.y), "r"(v.z),
+                         "r"(v.w)
+                         : "memory");
+        }
+    }
+};
+
+// bf16(x / rms(x) * w) of the f32 row x (cols a multiple of 4, at most
+// RMS_THREADS * RMS_VEC * 4) into shared memory at xs: what rms_norm
+// (layers.cu) writes, to the bit. Each warp takes the place of rms_norm's
+// warps vw = warp, warp + warps, ... (its 32 threads' sums of squares, as
+// there), and every warp then sums the 32 warps' sums in their order.
+struct NormX {
+    const float* x;
+    const float* w;
+    int cols;
+    float eps;
+    __device__ __forceinline__ void operator()(u32 xs) const {
+        __shared__ float warp_sums[RMS_THREADS / 32];
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5, quads = cols >> 2;
+        const float4* x4 = (const float4*)x;
+        const float4* w4 = (const float4*)w;
+        for (int vw = warp; vw < RMS_THREADS / 32; vw += warps) {
+            float ss = 0.0f;
+#pragma unroll
+            for (int k = 0; k < RMS_VEC; k++) {
+                const int i = vw * 32 + lane + k * RMS_THREADS;
+                ss += i < quads ? sum_sq4(x4[i]) : 0.0f;
+            }
+            ss = warp_sum(ss);
+            if (lane == 0) warp_sums[vw] = ss;
+        }
+        __syncthreads();
+        const float scale = rms_scale(warp_sum(warp_sums[lane]), cols, eps);
+        for (int i = threadIdx.x; i < quads; i += blockDim.x) {
+            const uint2 v = rms_scaled_bf16x4(x4[i], scale, w4[i]);
+            asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(xs + 8 * i), "r"(v.x), "r"(v.y) : "memory");
+        }
+    }
+};
+
+// Row r of unit u: u * R + r (adjacent rows), or u + r * second_at.
+template <int R, class LoadX, class Epilogue>
+__device__ __forceinline__ void gemv_stream(const bf16* __restrict__ w, int units, int cols, int stages, int second_at,
+                                            LoadX load_x, Epilogue epilogue) {
+    extern __shared__ __align__(128) unsigned char stream_smem[];
+    __shared__ __align__(8) u64 landed[STREAM_STAGES_MAX];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int first = (int)((u64)blockIdx.x * units / gridDim.x);
+    const int count = (int)((u64)(blockIdx.x + 1) * units / gridDim.x) - first;
+    const u32 row_bytes = (u32)cols * 2, unit_bytes = R * row_bytes;
+    const u32 xs = smem_u32(stream_smem), ring = xs + ((row_bytes + 127) & ~127u);
+    const u32 bars = smem_u32(landed);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; s++) mbar_init(bars + 8 * s, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    // Unit i of this block into its stage (one lane).
+    auto issue = [&](int i) {
+        const int s = i % stages, u = first + i;
+        const u32 bar = bars + 8 * s, dst = ring + (u32)s * unit_bytes;
+        mbar_arrive_expect_bytes(bar, unit_bytes);
+        if (second_at == 0) {
+            bulk_copy_to_shared(dst, w + (u64)u * R * cols, unit_bytes, bar);
+        } else {
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                bulk_copy_to_shared(dst + r * row_bytes, w + (u64)(u + r * second_at) * cols, row_bytes, bar);
+        }
+    };
+    if (lane == 0)
+        for (int i = warp; i < min(count, stages); i += warps) issue(i);
+    load_x(xs);  // while the ring fills
+    __syncthreads();
+    const int chunks = cols >> 3;
+    for (int i = warp; i < count; i += warps) {
+        const int s = i % stages;
+        mbar_wait(bars + 8 * s, (u32)(i / stages) & 1u);
+        const u32 stage = ring + (u32)s * unit_bytes;
+        float sums[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            float acc = 0.0f;
+#pragma unroll 4
+            for (int c = lane; c < chunks; c += 32) {
+                float xf[8];
+                unpack8(lds128(xs + 16 * c), xf);
+                acc += dot8(lds128(stage + r * row_bytes + 16 * c), xf);
+            }
+            sums[r] = warp_sum(acc);
+        }
+        __syncwarp();  // every lane has read the stage
+        if (lane == 0) {
+            if (i + stages < count) {
+                // The stage's reads (generic proxy) before the copy's writes (async proxy).
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                issue(i + stages);
+            }
+            epilogue(first + i, sums);
+        }
+    }
+}
+
+// Grid: one block an SM (at most one a unit), a warp a stage up to 8,
+// shared memory as above; compute::cuda::device's `stream_shape` picks them.
+// y[u] (+)= w[u] . x.
+extern "C" __global__ void __launch_bounds__(256) gemv_stream_n1(const bf16* __restrict__ w, const bf16* __restrict__ x,
+                                                                 float* __restrict__ y, int rows, int cols,
+                                                                 int accumulate, int stages) {
+    wait_for_previous_kernels();
+    gemv_stream<1>(w, rows, cols, stages, 0, CopyX{x, cols}, [&](int u, const float (&s)[1]) {
+        y[u] = accumulate ? y[u] + s[0] : s[0];
+    });
+}
+
+// RMSNorm of the residual row x, then gemv_rope_n1's work (QKV rows in RoPE
+// pairs): what rms_norm and gemv_stream_n1 and rope_store_kv give.
+extern "C" __global__ void __launch_bounds__(256) gemv_stream_norm_rope_n1(
+    const bf16* __restrict__ w, const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int rows,
+    int cols, int stages, const int* __restrict__ positions, const int* __restrict__ slots, bf16* __restrict__ q_out,
+    bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, int n_heads, int n_kv_heads, int head_dim, float theta) {
+    wait_for_previous_kernels();
+    const RopeKvOut o{positions, slots, q_out, k_cache, v_cache, n_heads, n_kv_heads, head_dim, theta};
+    gemv_stream<2>(w, rows / 2, cols, stages, 0, NormX{x, norm_w, cols, eps},
+                   [&](int u, const float (&s)[2]) { rope_kv_pair(o, 0, 2 * u, s[0], s[1]); });
+}
+
+// RMSNorm of the residual row x, then gemv_swiglu_n1's work (gate row b and
+// up row ffn + b): what rms_norm, gemv_stream_n1 and silu_mul give.
+extern "C" __global__ void __launch_bounds__(256) gemv_stream_norm_swiglu_n1(
+    const bf16* __restrict__ w, const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int ffn,
+    int cols, int stages, bf16* __restrict__ out) {
+    wait_for_previous_kernels();
+    gemv_stream<2>(w, ffn, cols, stages, ffn, NormX{x, norm_w, cols, eps},
+                   [&](int u, const float (&s)[2]) { out[u] = f32_to_bf16(silu_times(s[0], s[1])); });
+}

@@ -295,6 +295,10 @@ enum Bench {
         /// FP4 weights for a synthetic shape; a GGUF's quantized from its own).
         #[arg(long, default_value = "bf16")]
         weights: sluice_backend::model::WeightFormat,
+        /// Leave out the decode GEMM and decode attention sweeps (CUDA): only
+        /// the decode and prefill steps, e.g. under a profiler.
+        #[arg(long)]
+        no_sweeps: bool,
     },
     /// FP4 weights: with --accuracy, SmolLM2's perplexity and greedy agreement
     /// in BF16, MXFP4 and NVFP4 on MT-Bench's text (CPU; `make data` first).
@@ -629,6 +633,7 @@ fn run() -> anyhow::Result<()> {
                     prompts,
                     vs_torch,
                     weights,
+                    no_sweeps,
                     ..
                 },
         } => {
@@ -646,6 +651,7 @@ fn run() -> anyhow::Result<()> {
                 prompts,
                 torch_script: vs_torch,
                 weights,
+                sweeps: !no_sweeps,
             };
             let summary = run_cuda_engine_bench(&options, |line| println!("{line}"))
                 .context("sluice bench engine --device cuda")?;

@@ -28,6 +28,8 @@ pub struct CudaEngineBenchOptions {
     pub torch_script: Option<PathBuf>,
     /// The linear layers' format.
     pub weights: WeightFormat,
+    /// Run the decode GEMM and decode attention sweeps before the steps.
+    pub sweeps: bool,
 }
 
 /// Runs the benchmark, printing JSON lines through `emit`; returns the summary.
@@ -81,12 +83,22 @@ pub fn run_cuda_engine_bench(
                  "weights": options.weights.to_string(), "weights_gb": weight_gb,
                  "kv_cache_gb": kv_gb}),
     );
-    for f in gemv_sweep(&ex)? {
+    let sweeps = if options.sweeps {
+        gemv_sweep(&ex)?
+    } else {
+        Vec::new()
+    };
+    for f in sweeps {
         let mut line = serde_json::to_value(&f)?;
         line["bench"] = json!("gemv");
         emit(&line);
     }
-    for &batch in &options.batches {
+    let sweep_batches: &[usize] = if options.sweeps {
+        &options.batches
+    } else {
+        &[]
+    };
+    for &batch in sweep_batches {
         for f in attention_sweep(&mut ex, batch, options.context)? {
             let mut line = serde_json::to_value(&f)?;
             line["bench"] = json!("attention");
