@@ -116,44 +116,6 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src, int bytes)
     cp_async4_shared(smem_u32(dst), src, bytes);
 }
 
-// mbarriers (shared addresses) and the bulk copy engine (sm_90 on): a
-// barrier counts the bytes its copies have still to land; a phase completes
-// when its one arrival (with the expected bytes) and all the bytes are in.
-__device__ __forceinline__ void mbar_init(u32 mbar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(mbar), "r"(count) : "memory");
-}
-// The one arrival of a phase, expecting `bytes` from bulk copies (sm_90 on;
-// the host launches no kernel that uses it on an older GPU).
-__device__ __forceinline__ void mbar_arrive_expect_bytes(u32 mbar, u32 bytes) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mbar), "r"(bytes) : "memory");
-#else
-    __trap();
-#endif
-}
-// Waits until the mbarrier's phase of the given parity has completed.
-__device__ __forceinline__ void mbar_wait(u32 mbar, u32 parity) {
-    u32 done = 0;
-    while (!done)
-        asm volatile(
-            "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-            "selp.u32 %0, 1, 0, p;\n\t}"
-            : "=r"(done)
-            : "r"(mbar), "r"(parity)
-            : "memory");
-}
-// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to
-// shared memory by the bulk copy engine, counted on `mbar` (sm_90 on).
-__device__ __forceinline__ void bulk_copy_to_shared(u32 dst, const void* src, u32 bytes, u32 mbar) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(mbar)
-                 : "memory");
-#else
-    __trap();
-#endif
-}
-
 // Shared loads from a shared address.
 __device__ __forceinline__ uint4 lds128(u32 a) {
     uint4 v;
@@ -198,23 +160,6 @@ __device__ __forceinline__ u64 splitmix64(u64 x) {
 
 // silu(g) * u, SwiGLU's gate times its up projection.
 __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
-
-// RMSNorm: out = bf16(x / rms(x) * w), rms(x) = sqrt(mean(x^2) + eps). Its
-// sum of squares in one order wherever it is taken (rms_norm in layers.cu,
-// the streamed GEMVs in gemv.cu): RMS_THREADS threads, thread t summing the
-// float4s t, t + RMS_THREADS, ... (RMS_VEC of them) in turn, then each warp
-// of 32 threads summed (warp_sum), then the 32 warps' sums (warp_sum again).
-#define RMS_THREADS 1024
-#define RMS_VEC 4
-__device__ __forceinline__ float sum_sq4(float4 v) { return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
-__device__ __forceinline__ float rms_scale(float sum_sq, int hidden, float eps) {
-    return 1.0f / sqrtf(sum_sq / (float)hidden + eps);
-}
-// Four values x * scale * w, rounded to BF16, given scale = 1 / rms.
-__device__ __forceinline__ uint2 rms_scaled_bf16x4(float4 x, float scale, float4 w) {
-    return make_uint2((u32)f32_to_bf16(x.x * scale * w.x) | ((u32)f32_to_bf16(x.y * scale * w.y) << 16),
-                      (u32)f32_to_bf16(x.z * scale * w.z) | ((u32)f32_to_bf16(x.w * scale * w.w) << 16));
-}
 
 // Where one token's Q, K and V go after the QKV projection.
 struct RopeKvOut {

@@ -56,6 +56,18 @@ __device__ __forceinline__ u32 tc05_idesc(u32 sf_id) {
            ((u32)(TC05_ROWS >> 4) << 24) | (sf_id << 29) | (sf_id << 4);
 }
 
+// Waits until the mbarrier's phase of the given parity has completed.
+__device__ __forceinline__ void tc05_wait(u32 mbar, u32 parity) {
+    u32 done = 0;
+    while (!done)
+        asm volatile(
+            "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+            "selp.u32 %0, 1, 0, p;\n\t}"
+            : "=r"(done)
+            : "r"(mbar), "r"(parity)
+            : "memory");
+}
+
 // ROWS rows of codes (first .. first + ROWS - 1, zeros past `limit`), 128
 // bytes each from byte `kbyte` of the row, in the K-major layout without
 // swizzle: 16-byte chunk c of row r at c * LBO + (r / 8) * 128 + (r % 8) * 16,
@@ -126,8 +138,8 @@ __device__ __forceinline__ void fp4_tc05_gemm(const unsigned char* __restrict__ 
         asm volatile("tcgen05.relinquish_alloc_permit.cta_group::1.sync.aligned;");
     }
     if (tid == 0) {
-        mbar_init(smem_u32(&mbar[0]), 1);
-        mbar_init(smem_u32(&mbar[1]), 1);
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&mbar[0])));
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&mbar[1])));
         asm volatile("fence.mbarrier_init.release.cluster;");
     }
     asm volatile("tcgen05.fence::before_thread_sync;");
@@ -141,7 +153,7 @@ __device__ __forceinline__ void fp4_tc05_gemm(const unsigned char* __restrict__ 
         const int st = it & 1;
         if (it + 1 < steps) {
             // The other stage was last read by step it - 1's MMAs and copies.
-            if (it >= 1) mbar_wait(smem_u32(&mbar[st ^ 1]), ((it - 1) >> 1) & 1);
+            if (it >= 1) tc05_wait(smem_u32(&mbar[st ^ 1]), ((it - 1) >> 1) & 1);
             tc05_load<NV>(smem + (st ^ 1) * TC05_STAGE_BYTES, wcodes, wscales, xcodes, xscales, row0, tok0, rows, n,
                           cols, it + 1);
         }
@@ -192,7 +204,7 @@ __device__ __forceinline__ void fp4_tc05_gemm(const unsigned char* __restrict__ 
                 smem_u32(&mbar[st])));
         }
     }
-    mbar_wait(smem_u32(&mbar[(steps - 1) & 1]), ((steps - 1) >> 1) & 1);
+    tc05_wait(smem_u32(&mbar[(steps - 1) & 1]), ((steps - 1) >> 1) & 1);
     asm volatile("tcgen05.fence::after_thread_sync;");
 
     // Warp w reads lanes 32w .. 32w + 31 (rows), 16 token columns at a time.

@@ -17,8 +17,14 @@ extern "C" __global__ void embed_rows(const bf16* __restrict__ table, const int*
 // RMS_VEC * 4 = 16,384; compute::cuda::layers checks), so the row is read
 // once with every load in flight. (256 threads striding the row, each load
 // waiting for the last, took 11.8 us a row at batch 1 under ncu: 65 of them
-// a step of an 8B model.) The arithmetic is common.cuh's, which the streamed
-// GEMVs' own normalization shares (gemv.cu), to the bit.
+// a step of an 8B model.)
+// x / rms(x) * w rounded to BF16, two at a time, given scale = 1 / rms.
+__device__ __forceinline__ u32 rms_scaled_bf16x2(float a, float b, float scale, float wa, float wb) {
+    return (u32)f32_to_bf16(a * scale * wa) | ((u32)f32_to_bf16(b * scale * wb) << 16);
+}
+
+#define RMS_THREADS 1024
+#define RMS_VEC 4
 extern "C" __global__ void __launch_bounds__(RMS_THREADS) rms_norm(const float* __restrict__ x, const int* __restrict__ rows,
                                     const float* __restrict__ w, bf16* __restrict__ out, int hidden, float eps) {
     wait_for_previous_kernels();
@@ -36,13 +42,17 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rms_norm(const float* 
         wv[k] = i < quads ? w4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
 #pragma unroll
-    for (int k = 0; k < RMS_VEC; k++) ss += sum_sq4(v[k]);
-    const float scale = rms_scale(block_sum(ss, scratch), hidden, eps);
+    for (int k = 0; k < RMS_VEC; k++) ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
+    ss = block_sum(ss, scratch);
+    const float scale = 1.0f / sqrtf(ss / (float)hidden + eps);
     uint2* o = (uint2*)(out + (u64)blockIdx.x * hidden);
 #pragma unroll
     for (int k = 0; k < RMS_VEC; k++) {
         const int i = threadIdx.x + k * RMS_THREADS;
-        if (i < quads) o[i] = rms_scaled_bf16x4(v[k], scale, wv[k]);
+        if (i < quads) {
+            o[i] = make_uint2(rms_scaled_bf16x2(v[k].x, v[k].y, scale, wv[k].x, wv[k].y),
+                              rms_scaled_bf16x2(v[k].z, v[k].w, scale, wv[k].z, wv[k].w));
+        }
     }
 }
 

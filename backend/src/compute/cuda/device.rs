@@ -404,25 +404,6 @@ impl Gpu {
         cols: usize,
         accumulate: bool,
     ) -> Result<(), GpuError> {
-        if n == 1
-            && let Some(shape) = self.stream_shape(rows, 1, cols)
-        {
-            // SAFETY: as below; the kernel reads whole rows of 16-byte
-            // groups (cols a multiple of 8) by bulk copies.
-            return self.launch(
-                "gemv_stream_n1",
-                shape.config(),
-                &[
-                    &w,
-                    &x,
-                    &y,
-                    &(rows as i32),
-                    &(cols as i32),
-                    &i32::from(accumulate),
-                    &shape.stages,
-                ],
-            );
-        }
         // Kernel and rows per block (gemv.cu).
         let (name, rows_per_block) = match n {
             1 => ("gemv_bf16_n1", 2),
@@ -446,38 +427,6 @@ impl Gpu {
                 &i32::from(accumulate),
             ],
         )
-    }
-
-    /// How the streamed one-token GEMV (`gemv_stream` in gemv.cu) runs
-    /// `units` outputs of `unit_rows` weight rows of `cols` BF16 columns each:
-    /// one block an SM, a ring of as many stages (a unit each) as fit in
-    /// `STREAM_SHARED_BYTES` beside x, a warp for every stage up to 8. `None`
-    /// where it does not run: before Hopper (no bulk copy engine), with
-    /// `SLUICE_GEMV_STREAM=0`, for columns not whole 16-byte groups, or units
-    /// too large for one stage.
-    pub fn stream_shape(&self, units: usize, unit_rows: usize, cols: usize) -> Option<StreamShape> {
-        let hopper_on = self
-            .arch
-            .strip_prefix("sm_")
-            .and_then(|a| a.trim_end_matches(char::is_alphabetic).parse::<u32>().ok())
-            .is_some_and(|v| v >= 90);
-        if !hopper_on || !stream_gemv_on() || !cols.is_multiple_of(8) || units == 0 {
-            return None;
-        }
-        let x_bytes = (cols * 2).next_multiple_of(128);
-        let unit_bytes = unit_rows * cols * 2;
-        let fit = STREAM_SHARED_BYTES.checked_sub(x_bytes)? / unit_bytes;
-        let warps = fit.min(STREAM_WARPS);
-        if warps == 0 {
-            return None;
-        }
-        let stages = (fit.min(STREAM_STAGES_MAX) / warps) * warps;
-        Some(StreamShape {
-            stages: stages as i32,
-            threads: 32 * warps as u32,
-            shared: (x_bytes + stages * unit_bytes) as u32,
-            blocks: (self.sm_count as usize).min(units) as u32,
-        })
     }
 
     /// `gemm_bf16` through cuBLAS.
@@ -538,37 +487,6 @@ pub fn free_shareable<T>(slice: CudaSlice<T>) -> Result<(), GpuError> {
     // SAFETY: `ptr` came from cuMemAlloc and nothing uses it any more.
     unsafe { cudarc::driver::sys::cuMemFree_v2(ptr) }.result()?;
     Ok(())
-}
-
-/// Shared memory the streamed GEMV's x and ring take (of the 227 KB a
-/// Hopper block may have).
-const STREAM_SHARED_BYTES: usize = 200 * 1024;
-/// Its ring's stages at most (`STREAM_STAGES_MAX` in gemv.cu) and warps.
-const STREAM_STAGES_MAX: usize = 32;
-const STREAM_WARPS: usize = 8;
-
-/// Whether one-token GEMVs stream their weights (`Gpu::stream_shape`);
-/// `SLUICE_GEMV_STREAM=0` keeps the block-per-row-pair kernels, to compare.
-fn stream_gemv_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SLUICE_GEMV_STREAM").map_or(true, |v| v != "0"))
-}
-
-/// A launch of the streamed one-token GEMV (`Gpu::stream_shape`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StreamShape {
-    /// Stages of the ring (the kernel's `stages` argument).
-    pub stages: i32,
-    pub threads: u32,
-    /// Dynamic shared memory: x, then the ring.
-    pub shared: u32,
-    pub blocks: u32,
-}
-
-impl StreamShape {
-    pub fn config(&self) -> LaunchConfig {
-        grid((self.blocks, 1, 1), self.threads, self.shared)
-    }
 }
 
 /// Lets kernel `f` take `shared` bytes of dynamic shared memory: past 48 KB,

@@ -146,30 +146,17 @@ pub fn fuses(c: &LlamaConfig) -> bool {
     c.hidden.is_multiple_of(8)
 }
 
-/// The input row of a fused one-token projection: the residual `x` (f32,
-/// `hidden`), normalized with `norm` (`rms_norm`'s weights and `eps`); the
-/// kernels that do not normalize it themselves write it to `scratch`
-/// (BF16, `hidden`) first.
-#[derive(Clone, Copy, Debug)]
-pub struct NormedInput {
-    pub x: DevPtr,
-    pub norm: DevPtr,
-    pub eps: f32,
-    pub scratch: DevPtr,
-}
-
-/// One token's RMSNorm and QKV projection at batch 1 with what follows it:
-/// `w` (BF16, q_dim + 2 kv_dim rows of `hidden`) times the normalized row,
-/// RoPE, Q to `q_out` and K and V into this layer's cache at `slots[0]`
-/// (position `positions[0]`): the values `rms_norm`, the GEMV and
-/// `rope_store_kv` give. One launch where the weights stream
-/// (`Gpu::stream_shape`), else the norm and a GEMV with RoPE fused.
+/// One token's QKV projection at batch 1 with what follows it, in one
+/// launch: `w` (BF16, q_dim + 2 kv_dim rows of `hidden`) times `x` (the
+/// normalized row, BF16), RoPE, Q to `q_out` and K and V into this layer's
+/// cache at `slots[0]` (position `positions[0]`): the values the GEMV and
+/// `rope_store_kv` give.
 #[allow(clippy::too_many_arguments)]
-pub fn norm_gemv_rope(
+pub fn gemv_rope(
     gpu: &Gpu,
     c: &LlamaConfig,
     w: DevPtr,
-    input: NormedInput,
+    x: DevPtr,
     positions: DevPtr,
     slots: DevPtr,
     q_out: DevPtr,
@@ -177,34 +164,12 @@ pub fn norm_gemv_rope(
     v_cache: DevPtr,
 ) -> Result<(), GpuError> {
     let rows = c.q_dim() + 2 * c.kv_dim();
-    // SAFETY (kernels): w holds rows x hidden BF16; x, norm `hidden` f32 and
-    // scratch `hidden` BF16 (a multiple of 8: `fuses`; at most the norm's
-    // widest row: `check_shape`); positions and slots one entry, q_out
-    // q_dim; the slot is in the cache. A block a row pair, or (streamed) a
-    // run of them.
+    // SAFETY (kernel): w holds rows x hidden BF16, x `hidden` (a multiple
+    // of 8: `fuses`), positions and slots one entry, q_out q_dim; the slot
+    // is in the cache. A block a row pair.
     let out = RopeKvOut::new(c, positions, slots, q_out, k_cache, v_cache);
     let (rows32, hidden) = (rows as i32, c.hidden as i32);
-    if let Some(shape) = gpu.stream_shape(rows / 2, 2, c.hidden) {
-        let mut args: Vec<&dyn KernelArg> = vec![
-            &w,
-            &input.x,
-            &input.norm,
-            &input.eps,
-            &rows32,
-            &hidden,
-            &shape.stages,
-        ];
-        args.extend(out.args());
-        return gpu.launch("gemv_stream_norm_rope_n1", shape.config(), &args);
-    }
-    let NormedInput {
-        x,
-        norm,
-        eps,
-        scratch,
-    } = input;
-    rms_norm(gpu, x, 0, norm, scratch, 1, c.hidden, eps)?;
-    let mut args: Vec<&dyn KernelArg> = vec![&w, &scratch, &rows32, &hidden];
+    let mut args: Vec<&dyn KernelArg> = vec![&w, &x, &rows32, &hidden];
     args.extend(out.args());
     gpu.launch(
         "gemv_rope_n1",
@@ -213,48 +178,23 @@ pub fn norm_gemv_rope(
     )
 }
 
-/// One token's RMSNorm and gate and up projections at batch 1 with SwiGLU:
-/// the stacked [gate | up] weights `w` (2 ffn rows of `hidden`) times the
-/// normalized row, `act = bf16(silu(gate) * up)`: the values `rms_norm`, the
-/// GEMV and `silu_mul` give. One launch where the weights stream, else two.
-pub fn norm_gemv_swiglu(
+/// One token's gate and up projections at batch 1 with SwiGLU, in one
+/// launch: the stacked [gate | up] weights `w` (2 ffn rows of `hidden`)
+/// times `x` (BF16), `act = bf16(silu(gate) * up)`: the values the GEMV and
+/// `silu_mul` give.
+pub fn gemv_swiglu(
     gpu: &Gpu,
     c: &LlamaConfig,
     w: DevPtr,
-    input: NormedInput,
+    x: DevPtr,
     act: DevPtr,
 ) -> Result<(), GpuError> {
-    // SAFETY (kernels): w holds 2 ffn x hidden BF16, x and norm `hidden`
-    // f32, scratch `hidden` BF16 (as for norm_gemv_rope), act ffn BF16. A
-    // block a gate row and its up row, or (streamed) a run of them.
-    let (ffn, hidden) = (c.ffn as i32, c.hidden as i32);
-    if let Some(shape) = gpu.stream_shape(c.ffn, 2, c.hidden) {
-        return gpu.launch(
-            "gemv_stream_norm_swiglu_n1",
-            shape.config(),
-            &[
-                &w,
-                &input.x,
-                &input.norm,
-                &input.eps,
-                &ffn,
-                &hidden,
-                &shape.stages,
-                &act,
-            ],
-        );
-    }
-    let NormedInput {
-        x,
-        norm,
-        eps,
-        scratch,
-    } = input;
-    rms_norm(gpu, x, 0, norm, scratch, 1, c.hidden, eps)?;
+    // SAFETY (kernel): w holds 2 ffn x hidden BF16, x `hidden` (a multiple
+    // of 8: `fuses`), act ffn BF16. A block a gate row and its up row.
     gpu.launch(
         "gemv_swiglu_n1",
         grid((c.ffn as u32, 1, 1), GEMV_THREADS, 0),
-        &[&w, &scratch, &ffn, &hidden, &act],
+        &[&w, &x, &(c.ffn as i32), &(c.hidden as i32), &act],
     )
 }
 

@@ -519,9 +519,8 @@ impl CudaLlama {
         )?;
         for (li, layer) in self.layers.iter().enumerate() {
             let (k_cache, v_cache) = kv.layer(gpu, li);
-            // One token with the fast numerics (the GEMV): the RMSNorms, RoPE
-            // with the KV write, and SwiGLU go into the input projections'
-            // launches.
+            // One token with the fast numerics (the GEMV): RoPE with the KV
+            // write, and SwiGLU, go into the input projections' launches.
             let fused = match (&layer.wqkv, &layer.w_gate_up) {
                 (Linear::Bf16(qkv_w), Linear::Bf16(gate_up_w))
                     if n == 1 && ws.numerics == Numerics::Fast && layers::fuses(c) =>
@@ -531,26 +530,19 @@ impl CudaLlama {
                 _ => None,
             };
             let (pos, slots) = (meta.positions, meta.slots);
-            let normed = |norm| layers::NormedInput {
-                x,
-                norm,
-                eps,
-                scratch: xn,
-            };
+            layers::rms_norm(gpu, x, null, p(&layer.attn_norm), xn, n, h, eps)?;
             if let Some((qkv_w, _)) = fused {
-                let input = normed(p(&layer.attn_norm));
-                layers::norm_gemv_rope(gpu, c, qkv_w, input, pos, slots, qb, k_cache, v_cache)?;
+                layers::gemv_rope(gpu, c, qkv_w, xn, pos, slots, qb, k_cache, v_cache)?;
             } else {
-                layers::rms_norm(gpu, x, null, p(&layer.attn_norm), xn, n, h, eps)?;
                 linear(&layer.wqkv, xn, qkv, q_dim + 2 * kv_dim, h, false)?;
                 layers::rope_store_kv(gpu, c, qkv, pos, slots, qb, k_cache, v_cache, n)?;
             }
             launch_attention(gpu, c, ws, plan, meta, qb, k_cache, v_cache, attn)?;
             linear(&layer.wo, attn, x, h, q_dim, true)?;
+            layers::rms_norm(gpu, x, null, p(&layer.ffn_norm), xn, n, h, eps)?;
             if let Some((_, gate_up_w)) = fused {
-                layers::norm_gemv_swiglu(gpu, c, gate_up_w, normed(p(&layer.ffn_norm)), act)?;
+                layers::gemv_swiglu(gpu, c, gate_up_w, xn, act)?;
             } else {
-                layers::rms_norm(gpu, x, null, p(&layer.ffn_norm), xn, n, h, eps)?;
                 linear(&layer.w_gate_up, xn, gate_up, 2 * ffn, h, false)?;
                 layers::silu_mul(gpu, gate_up, act, n, ffn)?;
             }

@@ -218,50 +218,6 @@ fn gemv_and_the_tiled_gemm_match_the_cpu() {
     }
 }
 
-#[test]
-fn streamed_gemv_matches_the_cpu_when_stages_are_reused() {
-    let Some(gpu) = gpu() else { return };
-    // Tall: ~40 rows a block through a ring of 24 stages, so stages are
-    // refilled and their barriers' phases turn; wide: one 80 KB row a
-    // stage, a ring of one stage and one warp.
-    for (rows, cols) in [(gpu.sm_count as usize * 40 + 7, 4104), (300, 40_000)] {
-        let shape = gpu.stream_shape(rows, 1, cols);
-        if shape.is_none() {
-            eprintln!("skipped: the streamed GEMV does not run here");
-            return;
-        }
-        let w = from_bf16(&to_bf16(&values(rows * cols, 51)));
-        let x = from_bf16(&to_bf16(&values(cols, 52)));
-        let start = values(rows, 53);
-        let (dw, dx) = (
-            gpu.upload(&to_bf16(&w)).unwrap(),
-            gpu.upload(&to_bf16(&x)).unwrap(),
-        );
-        for accumulate in [false, true] {
-            let y = gpu.upload(&start).unwrap();
-            gpu.gemv_bf16(
-                gpu.ptr(&dw, 0),
-                gpu.ptr(&dx, 0),
-                gpu.ptr(&y, 0),
-                1,
-                rows,
-                cols,
-                accumulate,
-            )
-            .unwrap();
-            let got = gpu.download(&y, rows).unwrap();
-            for (r, g) in got.iter().enumerate() {
-                let e =
-                    dot(&w[r * cols..(r + 1) * cols], &x) + if accumulate { start[r] } else { 0.0 };
-                assert!(
-                    (g - e).abs() <= 1e-3 * e.abs().max(1.0),
-                    "{rows}x{cols} {shape:?} accumulate {accumulate} row {r}: {g} vs {e}"
-                );
-            }
-        }
-    }
-}
-
 fn tiny_config(head_dim: usize, n_heads: usize, n_kv_heads: usize) -> LlamaConfig {
     LlamaConfig {
         n_layers: 1,
@@ -337,8 +293,7 @@ fn rope_and_the_cache_write_match_the_cpu() {
 fn fused_one_token_gemvs_equal_the_separate_kernels() {
     let Some(gpu) = gpu() else { return };
     // 384: less than one 1,024-column step a block; 5,000: two rounds of
-    // loads, the last part-filled (and, streamed, rms_norm's threads past
-    // the row's end).
+    // loads, the last part-filled.
     for hidden in [384, 5000] {
         let c = LlamaConfig {
             hidden,
@@ -349,14 +304,7 @@ fn fused_one_token_gemvs_equal_the_separate_kernels() {
         let qkv_rows = q_dim + 2 * kv_dim;
         let block_size = 16;
         let (pos, slot) = (37i32, 5 * block_size as i32 + 37 % block_size as i32);
-        // The residual row (f32, far from unit scale) and the norms' weights.
-        let resid: Vec<f32> = values(hidden, 41).iter().map(|v| 7.0 * v).collect();
-        let x = gpu.upload(&resid).unwrap();
-        let norms = [
-            gpu.upload(&values(hidden, 45)).unwrap(),
-            gpu.upload(&values(hidden, 46)).unwrap(),
-        ];
-        let eps = 1e-5;
+        let x = gpu.upload(&to_bf16(&values(hidden, 41))).unwrap();
         let w_qkv = gpu
             .upload(&to_bf16(&values(qkv_rows * hidden, 43)))
             .unwrap();
@@ -364,14 +312,11 @@ fn fused_one_token_gemvs_equal_the_separate_kernels() {
         let (dpos, dslot) = (gpu.upload(&[pos]).unwrap(), gpu.upload(&[slot]).unwrap());
         let (x_p, qkv_w, gate_up_w) = (gpu.ptr(&x, 0), gpu.ptr(&w_qkv, 0), gpu.ptr(&w_gate_up, 0));
         let (pos_p, slot_p) = (gpu.ptr(&dpos, 0), gpu.ptr(&dslot, 0));
-        let mut xn = gpu.alloc::<u16>(hidden).unwrap();
-        let xn_p = gpu.ptr(&xn, 0);
 
         // Separate kernels.
         let qkv = gpu.alloc::<f32>(qkv_rows).unwrap();
         let qkv_p = gpu.ptr(&qkv, 0);
-        layers::rms_norm(&gpu, x_p, 0, gpu.ptr(&norms[0], 0), xn_p, 1, hidden, eps).unwrap();
-        gpu.gemv_bf16(qkv_w, xn_p, qkv_p, 1, qkv_rows, hidden, false)
+        gpu.gemv_bf16(qkv_w, x_p, qkv_p, 1, qkv_rows, hidden, false)
             .unwrap();
         let kv_a = CudaKvCache::new(&gpu, &c, 8, block_size).unwrap();
         let (k_a, v_a) = kv_a.layer(&gpu, 0);
@@ -380,39 +325,19 @@ fn fused_one_token_gemvs_equal_the_separate_kernels() {
         layers::rope_store_kv(&gpu, &c, qkv_p, pos_p, slot_p, q_a_p, k_a, v_a, 1).unwrap();
         let gate_up = gpu.alloc::<f32>(2 * ffn).unwrap();
         let gate_up_p = gpu.ptr(&gate_up, 0);
-        layers::rms_norm(&gpu, x_p, 0, gpu.ptr(&norms[1], 0), xn_p, 1, hidden, eps).unwrap();
-        gpu.gemv_bf16(gate_up_w, xn_p, gate_up_p, 1, 2 * ffn, hidden, false)
+        gpu.gemv_bf16(gate_up_w, x_p, gate_up_p, 1, 2 * ffn, hidden, false)
             .unwrap();
         let act_a = gpu.alloc::<u16>(ffn).unwrap();
         layers::silu_mul(&gpu, gate_up_p, gpu.ptr(&act_a, 0), 1, ffn).unwrap();
 
-        // Fused (the scratch row poisoned: a streamed launch must not need it).
-        gpu.upload_into(&vec![0x7fc0u16; hidden], &mut xn).unwrap();
-        let input = |norm: &cudarc::driver::CudaSlice<f32>| layers::NormedInput {
-            x: x_p,
-            norm: gpu.ptr(norm, 0),
-            eps,
-            scratch: xn_p,
-        };
+        // Fused.
         let kv_b = CudaKvCache::new(&gpu, &c, 8, block_size).unwrap();
         let (k_b, v_b) = kv_b.layer(&gpu, 0);
         let q_b = gpu.alloc::<u16>(q_dim).unwrap();
         let q_b_p = gpu.ptr(&q_b, 0);
-        layers::norm_gemv_rope(
-            &gpu,
-            &c,
-            qkv_w,
-            input(&norms[0]),
-            pos_p,
-            slot_p,
-            q_b_p,
-            k_b,
-            v_b,
-        )
-        .unwrap();
+        layers::gemv_rope(&gpu, &c, qkv_w, x_p, pos_p, slot_p, q_b_p, k_b, v_b).unwrap();
         let act_b = gpu.alloc::<u16>(ffn).unwrap();
-        layers::norm_gemv_swiglu(&gpu, &c, gate_up_w, input(&norms[1]), gpu.ptr(&act_b, 0))
-            .unwrap();
+        layers::gemv_swiglu(&gpu, &c, gate_up_w, x_p, gpu.ptr(&act_b, 0)).unwrap();
 
         let q = |s| gpu.download(s, q_dim).unwrap();
         assert_eq!(q(&q_b), q(&q_a), "hidden {hidden}: q");
