@@ -315,3 +315,40 @@ async fn internal_generate_events_health_and_metrics() {
         "{metrics}"
     );
 }
+
+/// A client still writing an oversize body when the worker has read enough
+/// gets the 413 once it is done: the rest of the body is read and dropped
+/// rather than the connection closed under the client's writes (which gave
+/// it a broken pipe and no answer in a CI run of the test above).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_still_sending_an_oversize_body_reads_the_413() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let url = start().await;
+    let limit = sluice_backend::server::MAX_BODY_BYTES;
+    let total = limit + (2 << 20);
+    let mut s = tokio::net::TcpStream::connect(url.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: worker\r\ncontent-type: application/json\r\n\
+         connection: close\r\ncontent-length: {total}\r\n\r\n"
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    let chunk = vec![b'x'; 256 << 10];
+    let mut sent = 0;
+    while sent < total {
+        let n = chunk.len().min(total - sent);
+        s.write_all(&chunk[..n])
+            .await
+            .unwrap_or_else(|e| panic!("writing byte {sent} of {total}: {e}"));
+        sent += n;
+        if sent > limit {
+            // Past the limit, slowly: the worker has decided by now.
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("invalid_request_error"), "{answer}");
+}
