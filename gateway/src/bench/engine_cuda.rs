@@ -83,26 +83,18 @@ pub fn run_cuda_engine_bench(
                  "weights": options.weights.to_string(), "weights_gb": weight_gb,
                  "kv_cache_gb": kv_gb}),
     );
-    let sweeps = if options.sweeps {
-        gemv_sweep(&ex)?
-    } else {
-        Vec::new()
-    };
-    for f in sweeps {
-        let mut line = serde_json::to_value(&f)?;
-        line["bench"] = json!("gemv");
-        emit(&line);
-    }
-    let sweep_batches: &[usize] = if options.sweeps {
-        &options.batches
-    } else {
-        &[]
-    };
-    for &batch in sweep_batches {
-        for f in attention_sweep(&mut ex, batch, options.context)? {
+    if options.sweeps {
+        for f in gemv_sweep(&ex)? {
             let mut line = serde_json::to_value(&f)?;
-            line["bench"] = json!("attention");
+            line["bench"] = json!("gemv");
             emit(&line);
+        }
+        for &batch in &options.batches {
+            for f in attention_sweep(&mut ex, batch, options.context)? {
+                let mut line = serde_json::to_value(&f)?;
+                line["bench"] = json!("attention");
+                emit(&line);
+            }
         }
     }
     // Each batch in both numerics (batch-invariant first, the default), and
