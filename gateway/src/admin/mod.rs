@@ -17,6 +17,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::json;
 use sluice_backend::server::ApiError;
+use sluice_backend::server::openai::read_body;
 
 pub use plugins_dir::{load_plugins_dir, watch_plugins_dir};
 
@@ -170,19 +171,26 @@ async fn put_plugin(
     }
 }
 
-/// A request body holding a component: not empty, at most [`MAX_COMPONENT_BYTES`].
+/// A request body holding a component: not empty, at most
+/// [`MAX_COMPONENT_BYTES`] (read as the API's bodies are: an oversize one's
+/// rest is drained before the 413, so the client reads it).
 async fn component_bytes(body: axum::body::Body) -> Result<axum::body::Bytes, ApiError> {
-    match axum::body::to_bytes(body, MAX_COMPONENT_BYTES).await {
-        Ok(b) if !b.is_empty() => Ok(b),
-        Ok(_) => Err(ApiError::invalid(
+    let bytes = read_body(body, MAX_COMPONENT_BYTES)
+        .await
+        .map_err(|e| match e.status {
+            StatusCode::PAYLOAD_TOO_LARGE => ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("a component may be at most {MAX_COMPONENT_BYTES} bytes"),
+            ),
+            _ => e,
+        })?;
+    if bytes.is_empty() {
+        return Err(ApiError::invalid(
             "the body must be the component's bytes",
             None,
-        )),
-        Err(_) => Err(ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!("a component may be at most {MAX_COMPONENT_BYTES} bytes"),
-        )),
+        ));
     }
+    Ok(bytes)
 }
 
 /// `PUT /admin/plugins/router/shadow` (component as the body, optional
