@@ -5,14 +5,24 @@
 // comes from L1. cols must be a multiple of 8. This is also the shape the FP4
 // kernels take (dequantize in registers, then the same sums).
 //
-// The fused one-token kernels at the end (`gemv_rope_n1`, `gemv_swiglu_n1`)
-// take a layer's two input projections with what comes after them: RoPE and
-// the KV write (QKV), SwiGLU (gate and up), so that a batch-1 layer is seven
-// launches, not nine. (Taking the RMSNorm in front too, each block
-// normalizing x for itself, was tried: every block's extra pass over the
-// residual and the norm's weights, 14,336 blocks for gate_up, tripled what
-// an SM read; a batch-1 step went from 4.55 to 6.16 ms, about 1.1 ms of it
-// this, BENCHMARKS.md.)
+// The fused one-token kernels at the end take a layer's two input
+// projections with what comes before and after them: the RMSNorm in front,
+// and RoPE with the KV write (`gemv_norm_rope_n1`, QKV) or SwiGLU
+// (`gemv_norm_swiglu_n1`, gate and up); the output projections write what
+// those read (`gemv_residual_n1`). A batch-1 layer is then six launches (ten
+// unfused). The norm costs no extra pass: as
+// W (x / rms(x) * g) = (W (x * g)) / rms(x), the block takes its dot
+// products over x * g (rounded to BF16 once, by whatever wrote x: the
+// embedding or the output projection before, which know the next norm's
+// weights) and sums x^2 from the residual's BF16 copy in the same loop, then
+// scales its sums at the end. (Reading g (f32) in the loop and multiplying
+// there cost 1.3-1.5 us a matrix: 83.2% of the roofline at batch 1 against
+// 84.5% with g folded into the weights at load, which in turn took SmolLM2's
+// logits 0.062 -> 0.083 (mean abs) from the CPU's: a second rounding of
+// every weight. An earlier try had each block normalize x in a pass of its
+// own before the GEMV, from the f32 residual: every block's extra reads,
+// 14,336 blocks for gate_up, tripled what an SM read; a batch-1 step went
+// from 4.55 to 6.16 ms. BENCHMARKS.md.)
 
 __device__ __forceinline__ float dot8(uint4 w, const float* x) {
     return bf16_lo(w.x) * x[0] + bf16_hi(w.x) * x[1] + bf16_lo(w.y) * x[2] + bf16_hi(w.y) * x[3] +
@@ -30,10 +40,16 @@ constexpr int GEMV_THREADS = 128, GEMV_STEP = GEMV_THREADS * 8;
 // threads split the columns (thread t reads columns 8t .. 8t + 7 of every
 // 1024), so short and long rows alike give many blocks and many loads in
 // flight. Leaves each warp's sums in partial[warp][r][j].
-template <int N, int ROWS, int UNROLL>
+//
+// With NORM (one token): x is x * g, and the block's sum of residual^2 (its
+// BF16 copy) also goes to sumsq[warp] (see block_rms_scale).
+template <int N, int ROWS, int UNROLL, bool NORM = false>
 __device__ __forceinline__ void gemv_block_sums(const bf16* __restrict__ w, const bf16* __restrict__ x, int n, int row0, int row_step,
-                                                int rows, int cols, float (*partial)[ROWS][N]) {
+                                                int rows, int cols, float (*partial)[ROWS][N],
+                                                const bf16* __restrict__ residual = nullptr, float* sumsq = nullptr) {
+    static_assert(!NORM || N == 1, "the fused norm takes one token");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float ss = 0.0f;
     float acc[ROWS][N];
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
@@ -60,6 +76,12 @@ __device__ __forceinline__ void gemv_block_sums(const bf16* __restrict__ w, cons
                 if (j < n) {
                     float xf[8];
                     unpack8(__ldg((const uint4*)(x + (u64)j * cols + c)), xf);
+                    if (NORM) {
+                        float rf[8];
+                        unpack8(__ldg((const uint4*)(residual + c)), rf);
+#pragma unroll
+                        for (int e = 0; e < 8; e++) ss += rf[e] * rf[e];
+                    }
 #pragma unroll
                     for (int r = 0; r < ROWS; r++) acc[r][j] += dot8(wv[u][r], xf);
                 }
@@ -73,7 +95,19 @@ __device__ __forceinline__ void gemv_block_sums(const bf16* __restrict__ w, cons
             const float s = warp_sum(acc[r][j]);
             if (lane == 0) partial[warp][r][j] = s;
         }
+    if (NORM) {
+        ss = warp_sum(ss);
+        if (lane == 0) sumsq[warp] = ss;
+    }
     __syncthreads();
+}
+
+// 1 / rms(x) from gemv_block_sums' per-warp sums of x^2 (added in warp order).
+__device__ __forceinline__ float block_rms_scale(const float* sumsq, int cols, float eps) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int wi = 0; wi < GEMV_THREADS / 32; wi++) ss += sumsq[wi];
+    return 1.0f / sqrtf(ss / (float)cols + eps);
 }
 
 // Row r's sum for token j, the warps' parts added in a fixed order (deterministic).
@@ -121,33 +155,61 @@ extern "C" __global__ void __launch_bounds__(128) gemv_bf16_n8(GEMV_ARGS) {
     gemv<8, 8, 1>(w, x, y, n, rows, cols, accumulate);
 }
 
-// One token (row 0 of x, BF16, `cols` wide): the QKV projection, a block
-// taking one adjacent pair of rows, which RoPE rotates together
-// (rope_kv_pair): Q to q_out, K and V into the token's cache slot. Grid:
-// rows / 2 blocks.
-extern "C" __global__ void __launch_bounds__(128) gemv_rope_n1(
-    const bf16* __restrict__ w, const bf16* __restrict__ x, int rows, int cols, const int* __restrict__ positions,
-    const int* __restrict__ slots, bf16* __restrict__ q_out, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
-    int n_heads, int n_kv_heads, int head_dim, float theta) {
+// One token: y += W x, and for the fused input projection after it the
+// new y as BF16 (y_bf16) and times the next RMSNorm's weights, as BF16
+// (y_scaled = bf16(y * norm_w); skipped where norm_w is null). An output
+// projection, o or down, at batch 1; y and the sums are those of
+// gemv_bf16_n1 with accumulate. Grid: rows / 2 blocks.
+extern "C" __global__ void __launch_bounds__(128) gemv_residual_n1(
+    const bf16* __restrict__ w, const bf16* __restrict__ x, float* __restrict__ y, int rows, int cols,
+    bf16* __restrict__ y_bf16, const float* __restrict__ norm_w, bf16* __restrict__ y_scaled) {
     wait_for_previous_kernels();
     __shared__ float partial[GEMV_THREADS / 32][2][1];
     const int row0 = blockIdx.x * 2;
     gemv_block_sums<1, 2, 4>(w, x, 1, row0, 1, rows, cols, partial);
-    if (threadIdx.x == 0) {
-        const RopeKvOut o{positions, slots, q_out, k_cache, v_cache, n_heads, n_kv_heads, head_dim, theta};
-        rope_kv_pair(o, 0, row0, block_row_sum(partial, 0, 0), block_row_sum(partial, 1, 0));
+    if (threadIdx.x < 2 && row0 + threadIdx.x < rows) {
+        const int r = row0 + threadIdx.x;
+        const float sum = y[r] + block_row_sum(partial, threadIdx.x, 0);
+        y[r] = sum;
+        y_bf16[r] = f32_to_bf16(sum);
+        if (norm_w) y_scaled[r] = f32_to_bf16(sum * norm_w[r]);
     }
 }
 
-// One token, as above: gate row b and up row ffn + b of the stacked
-// [gate | up] weights in block b, out[b] = bf16(silu(gate) * up). Grid: ffn
-// blocks.
-extern "C" __global__ void __launch_bounds__(128) gemv_swiglu_n1(
-    const bf16* __restrict__ w, const bf16* __restrict__ x, int ffn, int cols, bf16* __restrict__ out) {
+// One token, RMSNorm in front: x_scaled = bf16(x * g) and residual = bf16(x)
+// (`cols` wide, as gemv_residual_n1 or embed_rows wrote them). The QKV
+// projection, a block taking one adjacent pair of rows, which RoPE rotates
+// together (rope_kv_pair): Q to q_out, K and V into the token's cache slot.
+// Grid: rows / 2 blocks.
+extern "C" __global__ void __launch_bounds__(128) gemv_norm_rope_n1(
+    const bf16* __restrict__ w, const bf16* __restrict__ x_scaled, const bf16* __restrict__ residual, float eps,
+    int rows, int cols, const int* __restrict__ positions, const int* __restrict__ slots, bf16* __restrict__ q_out,
+    bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, int n_heads, int n_kv_heads, int head_dim, float theta) {
     wait_for_previous_kernels();
     __shared__ float partial[GEMV_THREADS / 32][2][1];
-    gemv_block_sums<1, 2, 4>(w, x, 1, blockIdx.x, ffn, 2 * ffn, cols, partial);
+    __shared__ float sumsq[GEMV_THREADS / 32];
+    const int row0 = blockIdx.x * 2;
+    gemv_block_sums<1, 2, 4, true>(w, x_scaled, 1, row0, 1, rows, cols, partial, residual, sumsq);
     if (threadIdx.x == 0) {
-        out[blockIdx.x] = f32_to_bf16(silu_times(block_row_sum(partial, 0, 0), block_row_sum(partial, 1, 0)));
+        const float scale = block_rms_scale(sumsq, cols, eps);
+        const RopeKvOut o{positions, slots, q_out, k_cache, v_cache, n_heads, n_kv_heads, head_dim, theta};
+        rope_kv_pair(o, 0, row0, block_row_sum(partial, 0, 0) * scale, block_row_sum(partial, 1, 0) * scale);
+    }
+}
+
+// One token, as above: RMSNorm, then gate row b and up row ffn + b of the
+// stacked [gate | up] weights in block b, out[b] = bf16(silu(gate) * up).
+// Grid: ffn blocks.
+extern "C" __global__ void __launch_bounds__(128) gemv_norm_swiglu_n1(
+    const bf16* __restrict__ w, const bf16* __restrict__ x_scaled, const bf16* __restrict__ residual, float eps,
+    int ffn, int cols, bf16* __restrict__ out) {
+    wait_for_previous_kernels();
+    __shared__ float partial[GEMV_THREADS / 32][2][1];
+    __shared__ float sumsq[GEMV_THREADS / 32];
+    gemv_block_sums<1, 2, 4, true>(w, x_scaled, 1, blockIdx.x, ffn, 2 * ffn, cols, partial, residual, sumsq);
+    if (threadIdx.x == 0) {
+        const float scale = block_rms_scale(sumsq, cols, eps);
+        out[blockIdx.x] = f32_to_bf16(
+            silu_times(block_row_sum(partial, 0, 0) * scale, block_row_sum(partial, 1, 0) * scale));
     }
 }

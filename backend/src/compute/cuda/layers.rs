@@ -90,7 +90,7 @@ pub fn rope_store_kv(
 }
 
 /// Where RoPE's outputs go and its shape: the trailing parameters of
-/// `rope_store_kv` and `gemv_rope_n1` (`RopeKvOut` in common.cuh).
+/// `rope_store_kv` and `gemv_norm_rope_n1` (`RopeKvOut` in common.cuh).
 struct RopeKvOut {
     positions: DevPtr,
     slots: DevPtr,
@@ -141,22 +141,36 @@ impl RopeKvOut {
 }
 
 /// Whether the fused one-token GEMVs take this shape: whole 16-byte groups
-/// of the hidden row (as the GEMV reads them).
+/// of the hidden row (as the GEMV reads them; `gemv_residual`'s columns, q_dim
+/// and ffn, too).
 pub fn fuses(c: &LlamaConfig) -> bool {
-    c.hidden.is_multiple_of(8)
+    [c.hidden, c.q_dim(), c.ffn]
+        .iter()
+        .all(|d| d.is_multiple_of(8))
 }
 
-/// One token's QKV projection at batch 1 with what follows it, in one
-/// launch: `w` (BF16, q_dim + 2 kv_dim rows of `hidden`) times `x` (the
-/// normalized row, BF16), RoPE, Q to `q_out` and K and V into this layer's
-/// cache at `slots[0]` (position `positions[0]`): the values the GEMV and
-/// `rope_store_kv` give.
+/// What a fused one-token input projection reads: the RMSNorm's input
+/// as two BF16 rows of `hidden`, `scaled` = bf16(x * g) (g the norm's
+/// weights) and `residual` = bf16(x), which `embed_rows` and
+/// `gemv_residual` write.
+#[derive(Clone, Copy, Debug)]
+pub struct NormInput {
+    pub scaled: DevPtr,
+    pub residual: DevPtr,
+}
+
+/// One token's QKV projection at batch 1 with what comes before and after
+/// it, in one launch: RMSNorm of `input`, times `w` (BF16, q_dim + 2 kv_dim
+/// rows of `hidden`), RoPE, Q to `q_out` and K and V into this layer's cache
+/// at `slots[0]` (position `positions[0]`): the values `rms_norm`, the GEMV
+/// and `rope_store_kv` give, up to rounding (here x * g is rounded to BF16,
+/// there x / rms(x) * g).
 #[allow(clippy::too_many_arguments)]
-pub fn gemv_rope(
+pub fn gemv_norm_rope(
     gpu: &Gpu,
     c: &LlamaConfig,
     w: DevPtr,
-    x: DevPtr,
+    input: NormInput,
     positions: DevPtr,
     slots: DevPtr,
     q_out: DevPtr,
@@ -164,37 +178,87 @@ pub fn gemv_rope(
     v_cache: DevPtr,
 ) -> Result<(), GpuError> {
     let rows = c.q_dim() + 2 * c.kv_dim();
-    // SAFETY (kernel): w holds rows x hidden BF16, x `hidden` (a multiple
-    // of 8: `fuses`), positions and slots one entry, q_out q_dim; the slot
-    // is in the cache. A block a row pair.
+    // SAFETY (kernel): w holds rows x hidden BF16, input's rows `hidden`
+    // (a multiple of 8: `fuses`), positions and slots one entry, q_out
+    // q_dim; the slot is in the cache. A block a row pair.
     let out = RopeKvOut::new(c, positions, slots, q_out, k_cache, v_cache);
     let (rows32, hidden) = (rows as i32, c.hidden as i32);
-    let mut args: Vec<&dyn KernelArg> = vec![&w, &x, &rows32, &hidden];
+    let mut args: Vec<&dyn KernelArg> = vec![
+        &w,
+        &input.scaled,
+        &input.residual,
+        &c.rms_eps,
+        &rows32,
+        &hidden,
+    ];
     args.extend(out.args());
     gpu.launch(
-        "gemv_rope_n1",
+        "gemv_norm_rope_n1",
         grid(((rows / 2) as u32, 1, 1), GEMV_THREADS, 0),
         &args,
     )
 }
 
-/// One token's gate and up projections at batch 1 with SwiGLU, in one
-/// launch: the stacked [gate | up] weights `w` (2 ffn rows of `hidden`)
-/// times `x` (BF16), `act = bf16(silu(gate) * up)`: the values the GEMV and
-/// `silu_mul` give.
-pub fn gemv_swiglu(
+/// One token's gate and up projections at batch 1 with the RMSNorm in front
+/// (as in `gemv_norm_rope`) and SwiGLU after, in one launch: the stacked
+/// [gate | up] weights `w` (2 ffn rows of `hidden`) times the normalized
+/// `input`, `act = bf16(silu(gate) * up)`.
+pub fn gemv_norm_swiglu(
     gpu: &Gpu,
     c: &LlamaConfig,
     w: DevPtr,
-    x: DevPtr,
+    input: NormInput,
     act: DevPtr,
 ) -> Result<(), GpuError> {
-    // SAFETY (kernel): w holds 2 ffn x hidden BF16, x `hidden` (a multiple
-    // of 8: `fuses`), act ffn BF16. A block a gate row and its up row.
+    // SAFETY (kernel): w holds 2 ffn x hidden BF16, input's rows `hidden`
+    // (a multiple of 8: `fuses`), act ffn BF16. A block a gate row and its
+    // up row.
     gpu.launch(
-        "gemv_swiglu_n1",
+        "gemv_norm_swiglu_n1",
         grid((c.ffn as u32, 1, 1), GEMV_THREADS, 0),
-        &[&w, &x, &(c.ffn as i32), &(c.hidden as i32), &act],
+        &[
+            &w,
+            &input.scaled,
+            &input.residual,
+            &c.rms_eps,
+            &(c.ffn as i32),
+            &(c.hidden as i32),
+            &act,
+        ],
+    )
+}
+
+/// One token's output projection at batch 1: `y += w x` (y f32, `rows`;
+/// `w` BF16 rows of `cols`, a multiple of 8), writing for the fused input
+/// projection after it `next.residual` = bf16(y) and, where `norm_w` (the
+/// next RMSNorm's weights, f32) is not 0, `next.scaled` = bf16(y * norm_w).
+/// y is what `gemv_bf16` with accumulate gives.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_residual(
+    gpu: &Gpu,
+    w: DevPtr,
+    x: DevPtr,
+    y: DevPtr,
+    rows: usize,
+    cols: usize,
+    norm_w: DevPtr,
+    next: NormInput,
+) -> Result<(), GpuError> {
+    // SAFETY (kernel): w holds rows x cols BF16, x cols BF16, y rows f32,
+    // next's rows and norm_w (unless 0) `rows`. A block a row pair.
+    gpu.launch(
+        "gemv_residual_n1",
+        grid((rows.div_ceil(2) as u32, 1, 1), GEMV_THREADS, 0),
+        &[
+            &w,
+            &x,
+            &y,
+            &(rows as i32),
+            &(cols as i32),
+            &next.residual,
+            &norm_w,
+            &next.scaled,
+        ],
     )
 }
 

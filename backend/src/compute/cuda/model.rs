@@ -101,6 +101,18 @@ struct CudaLayer {
     w_down: Linear,
 }
 
+impl CudaLayer {
+    /// QKV, o, gate/up and down, when all four are BF16.
+    fn bf16_weights(&self) -> Option<[&CudaSlice<Bf16>; 4]> {
+        match (&self.wqkv, &self.wo, &self.w_gate_up, &self.w_down) {
+            (Linear::Bf16(qkv), Linear::Bf16(o), Linear::Bf16(gate_up), Linear::Bf16(down)) => {
+                Some([qkv, o, gate_up, down])
+            }
+            _ => None,
+        }
+    }
+}
+
 /// A model whose weights are on the GPU.
 #[derive(Debug)]
 pub struct CudaLlama {
@@ -469,6 +481,12 @@ impl CudaLlama {
         Ok(results)
     }
 
+    /// Whether a one-token step can take the fused GEMVs: every linear layer
+    /// BF16 and a shape they take (`layers::fuses`).
+    fn fused_one_token(&self) -> bool {
+        layers::fuses(&self.config) && self.layers.iter().all(|l| l.bf16_weights().is_some())
+    }
+
     /// Enqueues a step's kernels on the stream: no allocation, no copy, no
     /// wait (so that it can be captured into a graph).
     fn record(
@@ -510,42 +528,61 @@ impl CudaLlama {
             }
         };
 
+        // One token with the fast numerics, every linear layer BF16: the
+        // fused GEMVs (layers::gemv_norm_rope and its kin), each input
+        // projection taking the RMSNorm in front of it and what follows it,
+        // reading the norm's input from the two rows of `xn` that the
+        // embedding and the output projections write (`norm_in`). Six
+        // launches a layer instead of ten.
+        let fused = n == 1 && ws.numerics == Numerics::Fast && self.fused_one_token();
+        let norm_in = layers::NormInput {
+            scaled: xn,
+            residual: gpu.ptr(&ws.xn, h),
+        };
+        let layer0_norm = self.layers.first().map_or(null, |l| p(&l.attn_norm));
         // SAFETY (all launches): the buffers were sized by `reserve` for n
-        // tokens and m logit rows; the index arrays hold n (or m) entries.
+        // tokens and m logit rows (xn: at least two rows); the index arrays
+        // hold n (or m) entries.
+        let (residual, scaled) = if fused {
+            (norm_in.residual, norm_in.scaled)
+        } else {
+            (null, null)
+        };
         gpu.launch(
             "embed_rows",
             grid((n32, 1, 1), 256, 0),
-            &[&b(&self.embed), &meta.tokens, &x, &h32],
+            &[
+                &b(&self.embed),
+                &meta.tokens,
+                &x,
+                &residual,
+                &layer0_norm,
+                &scaled,
+                &h32,
+            ],
         )?;
         for (li, layer) in self.layers.iter().enumerate() {
             let (k_cache, v_cache) = kv.layer(gpu, li);
-            // One token with the fast numerics (the GEMV): RoPE with the KV
-            // write, and SwiGLU, go into the input projections' launches.
-            let fused = match (&layer.wqkv, &layer.w_gate_up) {
-                (Linear::Bf16(qkv_w), Linear::Bf16(gate_up_w))
-                    if n == 1 && ws.numerics == Numerics::Fast && layers::fuses(c) =>
-                {
-                    Some((b(qkv_w), b(gate_up_w)))
-                }
-                _ => None,
-            };
             let (pos, slots) = (meta.positions, meta.slots);
-            layers::rms_norm(gpu, x, null, p(&layer.attn_norm), xn, n, h, eps)?;
-            if let Some((qkv_w, _)) = fused {
-                layers::gemv_rope(gpu, c, qkv_w, xn, pos, slots, qb, k_cache, v_cache)?;
-            } else {
-                linear(&layer.wqkv, xn, qkv, q_dim + 2 * kv_dim, h, false)?;
-                layers::rope_store_kv(gpu, c, qkv, pos, slots, qb, k_cache, v_cache, n)?;
+            if let Some([wqkv, wo, w_gate_up, w_down]) = layer.bf16_weights().filter(|_| fused) {
+                // The next layer's attention norm; none after the last (the
+                // head's norm reads the f32 residual).
+                let next_norm = self.layers.get(li + 1).map_or(null, |l| p(&l.attn_norm));
+                layers::gemv_norm_rope(gpu, c, b(wqkv), norm_in, pos, slots, qb, k_cache, v_cache)?;
+                launch_attention(gpu, c, ws, plan, meta, qb, k_cache, v_cache, attn)?;
+                layers::gemv_residual(gpu, b(wo), attn, x, h, q_dim, p(&layer.ffn_norm), norm_in)?;
+                layers::gemv_norm_swiglu(gpu, c, b(w_gate_up), norm_in, act)?;
+                layers::gemv_residual(gpu, b(w_down), act, x, h, ffn, next_norm, norm_in)?;
+                continue;
             }
+            layers::rms_norm(gpu, x, null, p(&layer.attn_norm), xn, n, h, eps)?;
+            linear(&layer.wqkv, xn, qkv, q_dim + 2 * kv_dim, h, false)?;
+            layers::rope_store_kv(gpu, c, qkv, pos, slots, qb, k_cache, v_cache, n)?;
             launch_attention(gpu, c, ws, plan, meta, qb, k_cache, v_cache, attn)?;
             linear(&layer.wo, attn, x, h, q_dim, true)?;
             layers::rms_norm(gpu, x, null, p(&layer.ffn_norm), xn, n, h, eps)?;
-            if let Some((_, gate_up_w)) = fused {
-                layers::gemv_swiglu(gpu, c, gate_up_w, xn, act)?;
-            } else {
-                linear(&layer.w_gate_up, xn, gate_up, 2 * ffn, h, false)?;
-                layers::silu_mul(gpu, gate_up, act, n, ffn)?;
-            }
+            linear(&layer.w_gate_up, xn, gate_up, 2 * ffn, h, false)?;
+            layers::silu_mul(gpu, gate_up, act, n, ffn)?;
             linear(&layer.w_down, act, x, h, ffn, true)?;
         }
         if m > 0 {
@@ -815,6 +852,9 @@ impl Drop for CudaKvCache {
     }
 }
 
+// A fused one-token step keeps two rows in `Workspace::xn`.
+const _: () = assert!(GEMM_ROW_TILE >= 2);
+
 /// Activations and step metadata, grown to the largest step seen, and the
 /// CUDA graphs captured over them.
 pub struct Workspace {
@@ -826,6 +866,9 @@ pub struct Workspace {
     logit_rows: usize,
     splits: usize,
     x: CudaSlice<f32>,
+    /// The normalized rows (BF16); in a fused one-token step, the norm's
+    /// input instead (`layers::NormInput`): x * g in row 0, the residual in
+    /// row 1 (the buffer holds at least GEMM_ROW_TILE rows).
     xn: CudaSlice<Bf16>,
     qkv: CudaSlice<f32>,
     q: CudaSlice<Bf16>,

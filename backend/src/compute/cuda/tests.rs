@@ -286,9 +286,20 @@ fn rope_and_the_cache_write_match_the_cpu() {
     }
 }
 
-/// The one-token fused GEMVs (QKV with RoPE and the KV write; gate/up with
-/// SwiGLU) give the bits of the separate kernels they stand for, which the
-/// tests above hold to the CPU.
+/// What the one-token fused input projections wrote: Q, the layer's K and V
+/// caches, and SwiGLU's output.
+struct FusedOutputs {
+    q: Vec<u16>,
+    kv: (Vec<f32>, Vec<f32>),
+    act: Vec<u16>,
+}
+
+/// The one-token fused GEMVs (RMSNorm, then QKV with RoPE and the KV write,
+/// or gate/up with SwiGLU) against the separate kernels they stand for,
+/// which the tests above hold to the CPU. Where x / rms(x) is exact in BF16
+/// (x = +-2, so 1 / rms = 0.5 exactly with eps 0) the two give the same
+/// bits: the same products, bf16(g) there and bf16(2 g) here, summed in the
+/// same order. Elsewhere they differ only in where BF16 rounds.
 #[test]
 fn fused_one_token_gemvs_equal_the_separate_kernels() {
     let Some(gpu) = gpu() else { return };
@@ -298,60 +309,158 @@ fn fused_one_token_gemvs_equal_the_separate_kernels() {
         let c = LlamaConfig {
             hidden,
             ffn: 300,
+            rms_eps: 0.0,
             ..tiny_config(64, 6, 2)
         };
         let (q_dim, kv_dim, ffn) = (c.q_dim(), c.kv_dim(), c.ffn);
         let qkv_rows = q_dim + 2 * kv_dim;
         let block_size = 16;
         let (pos, slot) = (37i32, 5 * block_size as i32 + 37 % block_size as i32);
-        let x = gpu.upload(&to_bf16(&values(hidden, 41))).unwrap();
+        let norm_w: Vec<f32> = values(hidden, 42).iter().map(|v| 1.0 + 0.5 * v).collect();
         let w_qkv = gpu
             .upload(&to_bf16(&values(qkv_rows * hidden, 43)))
             .unwrap();
         let w_gate_up = gpu.upload(&to_bf16(&values(2 * ffn * hidden, 44))).unwrap();
         let (dpos, dslot) = (gpu.upload(&[pos]).unwrap(), gpu.upload(&[slot]).unwrap());
-        let (x_p, qkv_w, gate_up_w) = (gpu.ptr(&x, 0), gpu.ptr(&w_qkv, 0), gpu.ptr(&w_gate_up, 0));
+        let dnorm = gpu.upload(&norm_w).unwrap();
+        let (qkv_w, gate_up_w, norm_p) = (
+            gpu.ptr(&w_qkv, 0),
+            gpu.ptr(&w_gate_up, 0),
+            gpu.ptr(&dnorm, 0),
+        );
         let (pos_p, slot_p) = (gpu.ptr(&dpos, 0), gpu.ptr(&dslot, 0));
 
-        // Separate kernels.
-        let qkv = gpu.alloc::<f32>(qkv_rows).unwrap();
-        let qkv_p = gpu.ptr(&qkv, 0);
-        gpu.gemv_bf16(qkv_w, x_p, qkv_p, 1, qkv_rows, hidden, false)
-            .unwrap();
-        let kv_a = CudaKvCache::new(&gpu, &c, 8, block_size).unwrap();
-        let (k_a, v_a) = kv_a.layer(&gpu, 0);
-        let q_a = gpu.alloc::<u16>(q_dim).unwrap();
-        let q_a_p = gpu.ptr(&q_a, 0);
-        layers::rope_store_kv(&gpu, &c, qkv_p, pos_p, slot_p, q_a_p, k_a, v_a, 1).unwrap();
-        let gate_up = gpu.alloc::<f32>(2 * ffn).unwrap();
-        let gate_up_p = gpu.ptr(&gate_up, 0);
-        gpu.gemv_bf16(gate_up_w, x_p, gate_up_p, 1, 2 * ffn, hidden, false)
-            .unwrap();
-        let act_a = gpu.alloc::<u16>(ffn).unwrap();
-        layers::silu_mul(&gpu, gate_up_p, gpu.ptr(&act_a, 0), 1, ffn).unwrap();
+        // The separate kernels on the f32 residual `x`.
+        let separate = |x: &[f32]| {
+            let dx = gpu.upload(x).unwrap();
+            let xn = gpu.alloc::<u16>(hidden).unwrap();
+            let xn_p = gpu.ptr(&xn, 0);
+            layers::rms_norm(&gpu, gpu.ptr(&dx, 0), 0, norm_p, xn_p, 1, hidden, c.rms_eps).unwrap();
+            let qkv = gpu.alloc::<f32>(qkv_rows).unwrap();
+            let qkv_p = gpu.ptr(&qkv, 0);
+            gpu.gemv_bf16(qkv_w, xn_p, qkv_p, 1, qkv_rows, hidden, false)
+                .unwrap();
+            let kv = CudaKvCache::new(&gpu, &c, 8, block_size).unwrap();
+            let (k, v) = kv.layer(&gpu, 0);
+            let q = gpu.alloc::<u16>(q_dim).unwrap();
+            layers::rope_store_kv(&gpu, &c, qkv_p, pos_p, slot_p, gpu.ptr(&q, 0), k, v, 1).unwrap();
+            let gate_up = gpu.alloc::<f32>(2 * ffn).unwrap();
+            let gate_up_p = gpu.ptr(&gate_up, 0);
+            gpu.gemv_bf16(gate_up_w, xn_p, gate_up_p, 1, 2 * ffn, hidden, false)
+                .unwrap();
+            let act = gpu.alloc::<u16>(ffn).unwrap();
+            layers::silu_mul(&gpu, gate_up_p, gpu.ptr(&act, 0), 1, ffn).unwrap();
+            FusedOutputs {
+                q: gpu.download(&q, q_dim).unwrap(),
+                kv: kv.read_layer(&gpu, 0).unwrap(),
+                act: gpu.download(&act, ffn).unwrap(),
+            }
+        };
+        // The fused kernels on bf16(x * g) and bf16(x) (x is BF16 here).
+        let fused = |x: &[f32]| {
+            let scaled: Vec<f32> = x.iter().zip(&norm_w).map(|(v, g)| v * g).collect();
+            let (ds, dr) = (
+                gpu.upload(&to_bf16(&scaled)).unwrap(),
+                gpu.upload(&to_bf16(x)).unwrap(),
+            );
+            let input = layers::NormInput {
+                scaled: gpu.ptr(&ds, 0),
+                residual: gpu.ptr(&dr, 0),
+            };
+            let kv = CudaKvCache::new(&gpu, &c, 8, block_size).unwrap();
+            let (k, v) = kv.layer(&gpu, 0);
+            let q = gpu.alloc::<u16>(q_dim).unwrap();
+            layers::gemv_norm_rope(&gpu, &c, qkv_w, input, pos_p, slot_p, gpu.ptr(&q, 0), k, v)
+                .unwrap();
+            let act = gpu.alloc::<u16>(ffn).unwrap();
+            layers::gemv_norm_swiglu(&gpu, &c, gate_up_w, input, gpu.ptr(&act, 0)).unwrap();
+            FusedOutputs {
+                q: gpu.download(&q, q_dim).unwrap(),
+                kv: kv.read_layer(&gpu, 0).unwrap(),
+                act: gpu.download(&act, ffn).unwrap(),
+            }
+        };
 
-        // Fused.
-        let kv_b = CudaKvCache::new(&gpu, &c, 8, block_size).unwrap();
-        let (k_b, v_b) = kv_b.layer(&gpu, 0);
-        let q_b = gpu.alloc::<u16>(q_dim).unwrap();
-        let q_b_p = gpu.ptr(&q_b, 0);
-        layers::gemv_rope(&gpu, &c, qkv_w, x_p, pos_p, slot_p, q_b_p, k_b, v_b).unwrap();
-        let act_b = gpu.alloc::<u16>(ffn).unwrap();
-        layers::gemv_swiglu(&gpu, &c, gate_up_w, x_p, gpu.ptr(&act_b, 0)).unwrap();
-
-        let q = |s| gpu.download(s, q_dim).unwrap();
-        assert_eq!(q(&q_b), q(&q_a), "hidden {hidden}: q");
-        let (a, b) = (
-            kv_a.read_layer(&gpu, 0).unwrap(),
-            kv_b.read_layer(&gpu, 0).unwrap(),
-        );
-        assert_eq!(b, a, "hidden {hidden}: the caches");
+        let twos: Vec<f32> = values(hidden, 41)
+            .iter()
+            .map(|v| if *v < 0.0 { -2.0 } else { 2.0 })
+            .collect();
+        let (a, b) = (separate(&twos), fused(&twos));
+        assert_eq!(b.q, a.q, "hidden {hidden}: q");
+        assert_eq!(b.kv, a.kv, "hidden {hidden}: the caches");
         let at = slot as usize * kv_dim..(slot as usize + 1) * kv_dim;
-        assert!(a.0[at.clone()].iter().all(|v| *v != 0.0), "K was written");
-        assert!(a.1[at].iter().all(|v| *v != 0.0), "V was written");
-        let act = |s| gpu.download(s, ffn).unwrap();
-        assert_eq!(act(&act_b), act(&act_a), "hidden {hidden}: act");
-        assert!(act(&act_a).iter().any(|&v| v != 0), "act was written");
+        assert!(
+            a.kv.0[at.clone()].iter().all(|v| *v != 0.0),
+            "K was written"
+        );
+        assert!(a.kv.1[at].iter().all(|v| *v != 0.0), "V was written");
+        assert_eq!(b.act, a.act, "hidden {hidden}: act");
+        assert!(a.act.iter().any(|&v| v != 0), "act was written");
+
+        // Any residual: within a few BF16 roundings of the largest value.
+        let x = from_bf16(&to_bf16(&values(hidden, 45)));
+        let (a, b) = (separate(&x), fused(&x));
+        let close = |got: &[f32], want: &[f32], what: &str| {
+            let most = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                assert!(
+                    (g - w).abs() <= most / 64.0,
+                    "hidden {hidden}: {what}[{i}]: {g} vs {w}"
+                );
+            }
+        };
+        close(&from_bf16(&b.q), &from_bf16(&a.q), "q");
+        close(&b.kv.0, &a.kv.0, "k");
+        close(&b.kv.1, &a.kv.1, "v");
+        close(&from_bf16(&b.act), &from_bf16(&a.act), "act");
+    }
+}
+
+/// The one-token output projection's fused form adds the same sums as the
+/// GEMV with accumulate, and writes the new residual as BF16 and, given the
+/// next norm's weights, times them as BF16.
+#[test]
+fn gemv_residual_adds_what_the_gemv_adds_and_writes_the_norm_input() {
+    let Some(gpu) = gpu() else { return };
+    for (rows, cols) in [(384, 384), (1001, 5000)] {
+        let w = gpu.upload(&to_bf16(&values(rows * cols, 51))).unwrap();
+        let x = gpu.upload(&to_bf16(&values(cols, 52))).unwrap();
+        let y0 = values(rows, 53);
+        let norm_w: Vec<f32> = values(rows, 54).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let dnorm = gpu.upload(&norm_w).unwrap();
+        let (w_p, x_p) = (gpu.ptr(&w, 0), gpu.ptr(&x, 0));
+        let ya = gpu.upload(&y0).unwrap();
+        gpu.gemv_bf16(w_p, x_p, gpu.ptr(&ya, 0), 1, rows, cols, true)
+            .unwrap();
+        let want = gpu.download(&ya, rows).unwrap();
+        assert_ne!(want, y0, "{rows} x {cols}: y was added to");
+        let want_scaled: Vec<f32> = want.iter().zip(&norm_w).map(|(v, g)| v * g).collect();
+        for with_norm in [true, false] {
+            let yb = gpu.upload(&y0).unwrap();
+            let (residual, scaled) = (
+                gpu.alloc::<u16>(rows).unwrap(),
+                gpu.upload(&vec![7u16; rows]).unwrap(),
+            );
+            let next = layers::NormInput {
+                scaled: gpu.ptr(&scaled, 0),
+                residual: gpu.ptr(&residual, 0),
+            };
+            let norm_p = if with_norm { gpu.ptr(&dnorm, 0) } else { 0 };
+            layers::gemv_residual(&gpu, w_p, x_p, gpu.ptr(&yb, 0), rows, cols, norm_p, next)
+                .unwrap();
+            assert_eq!(gpu.download(&yb, rows).unwrap(), want, "{rows} x {cols}: y");
+            assert_eq!(
+                gpu.download(&residual, rows).unwrap(),
+                to_bf16(&want),
+                "residual"
+            );
+            let scaled = gpu.download(&scaled, rows).unwrap();
+            if with_norm {
+                assert_eq!(scaled, to_bf16(&want_scaled), "{rows} x {cols}: scaled");
+            } else {
+                assert_eq!(scaled, vec![7u16; rows], "no norm: scaled untouched");
+            }
+        }
     }
 }
 
