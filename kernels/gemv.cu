@@ -19,7 +19,9 @@
 // there cost 1.3-1.5 us a matrix: 83.2% of the roofline at batch 1 against
 // 84.5% with g folded into the weights at load, which in turn took SmolLM2's
 // logits 0.062 -> 0.083 (mean abs) from the CPU's: a second rounding of
-// every weight. An earlier try had each block normalize x in a pass of its
+// every weight. Nor did it pay to have the output projections add up x^2
+// for the reader, with integer atomics, so that it read x * g alone: the
+// same speed as the BF16 copy read here. An earlier try had each block normalize x in a pass of its
 // own before the GEMV, from the f32 residual: every block's extra reads,
 // 14,336 blocks for gate_up, tripled what an SM read; a batch-1 step went
 // from 4.55 to 6.16 ms. BENCHMARKS.md.)
