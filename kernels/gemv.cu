@@ -5,26 +5,25 @@
 // comes from L1. cols must be a multiple of 8. This is also the shape the FP4
 // kernels take (dequantize in registers, then the same sums).
 //
-// The fused one-token kernels at the end take a layer's two input
-// projections with what comes before and after them: the RMSNorm in front,
-// and RoPE with the KV write (`gemv_norm_rope_n1`, QKV) or SwiGLU
-// (`gemv_norm_swiglu_n1`, gate and up); the output projections write what
-// those read (`gemv_residual_n1`). A batch-1 layer is then six launches (ten
-// unfused). The norm costs no extra pass: as
-// W (x / rms(x) * g) = (W (x * g)) / rms(x), the block takes its dot
-// products over x * g (rounded to BF16 once, by whatever wrote x: the
-// embedding or the output projection before, which know the next norm's
-// weights) and sums x^2 from the residual's BF16 copy in the same loop, then
-// scales its sums at the end. (Reading g (f32) in the loop and multiplying
-// there cost 1.3-1.5 us a matrix: 83.2% of the roofline at batch 1 against
-// 84.5% with g folded into the weights at load, which in turn took SmolLM2's
-// logits 0.062 -> 0.083 (mean abs) from the CPU's: a second rounding of
-// every weight. Nor did it pay to have the output projections add up x^2
-// for the reader, with integer atomics, so that it read x * g alone: the
-// same speed as the BF16 copy read here. An earlier try had each block normalize x in a pass of its
-// own before the GEMV, from the f32 residual: every block's extra reads,
-// 14,336 blocks for gate_up, tripled what an SM read; a batch-1 step went
-// from 4.55 to 6.16 ms. BENCHMARKS.md.)
+// The fused one-token kernels at the end take a layer's two input projections
+// with what comes before and after them: the RMSNorm in front, and RoPE with
+// the KV write (`gemv_norm_rope_n1`, QKV) or SwiGLU (`gemv_norm_swiglu_n1`,
+// gate and up); the output projections write what those read
+// (`gemv_residual_n1`). A batch-1 layer is then six launches (ten unfused).
+// The norm costs no extra pass: as W (x / rms(x) * g) = (W (x * g)) / rms(x),
+// the block takes its dot products over x * g (rounded to BF16 once, by
+// whatever wrote x: the embedding or the output projection before, which know
+// the next norm's weights) and sums x^2 from the residual's BF16 copy in the
+// same loop, then scales its sums at the end. (Reading g (f32) in the loop and
+// multiplying there cost 1.3-1.5 us a matrix: 83.2% of the roofline at batch 1
+// against 84.5% with g folded into the weights at load, which in turn took
+// SmolLM2's logits 0.062 -> 0.083 (mean abs) from the CPU's: a second rounding
+// of every weight. Nor did it pay to have the output projections add up x^2
+// for the reader, with integer atomics, so that it read x * g alone: the same
+// speed as the BF16 copy read here. An earlier try had each block normalize x
+// in a pass of its own before the GEMV, from the f32 residual: every block's
+// extra reads, 14,336 blocks for gate_up, tripled what an SM read; a batch-1
+// step went from 4.55 to 6.16 ms. BENCHMARKS.md.)
 
 __device__ __forceinline__ float dot8(uint4 w, const float* x) {
     return bf16_lo(w.x) * x[0] + bf16_hi(w.x) * x[1] + bf16_lo(w.y) * x[2] + bf16_hi(w.y) * x[3] +
