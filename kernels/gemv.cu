@@ -10,20 +10,20 @@
 // the KV write (`gemv_norm_rope_n1`, QKV) or SwiGLU (`gemv_norm_swiglu_n1`,
 // gate and up); the output projections write what those read
 // (`gemv_residual_n1`). A batch-1 layer is then six launches (ten unfused).
-// The norm costs no extra pass: as W (x / rms(x) * g) = (W (x * g)) / rms(x),
-// the block takes its dot products over x * g (rounded to BF16 once, by
-// whatever wrote x: the embedding or the output projection before, which know
-// the next norm's weights) and sums x^2 from the residual's BF16 copy in the
-// same loop, then scales its sums at the end. (Reading g (f32) in the loop and
-// multiplying there cost 1.3-1.5 us a matrix: 83.2% of the roofline at batch 1
-// against 84.5% with g folded into the weights at load, which in turn took
-// SmolLM2's logits 0.062 -> 0.083 (mean abs) from the CPU's: a second rounding
-// of every weight. Nor did it pay to have the output projections add up x^2
-// for the reader, with integer atomics, so that it read x * g alone: the same
-// speed as the BF16 copy read here. An earlier try had each block normalize x
-// in a pass of its own before the GEMV, from the f32 residual: every block's
-// extra reads, 14,336 blocks for gate_up, tripled what an SM read; a batch-1
-// step went from 4.55 to 6.16 ms. BENCHMARKS.md.)
+// The norm costs no extra pass and no extra read: the model folds each
+// norm's weights g into the columns of the projection after it at load
+// (bf16(W g), one rounding, as bf16(W) was), so that W (x / rms(x) * g) =
+// ((W g) x) / rms(x): the block takes its dot products over x, the
+// residual's BF16 copy (which the embedding or the output projection before
+// writes), sums x^2 from the same values in the same loop, and scales its
+// sums at the end. (Three other forms were slower: the dot products over a
+// second row, bf16(x * g), written by the kernel before, 1.3 points of the
+// roofline at batch 1; g read in the loop and multiplied there, 1.3-1.5 us a
+// matrix; the output projections adding up x^2 for the reader with integer
+// atomics. An earlier try had each block normalize x in a pass of its own
+// before the GEMV, from the f32 residual: every block's extra reads, 14,336
+// blocks for gate_up, tripled what an SM read; a batch-1 step went from 4.55
+// to 6.16 ms. BENCHMARKS.md.)
 
 __device__ __forceinline__ float dot8(uint4 w, const float* x) {
     return bf16_lo(w.x) * x[0] + bf16_hi(w.x) * x[1] + bf16_lo(w.y) * x[2] + bf16_hi(w.y) * x[3] +
@@ -42,12 +42,11 @@ constexpr int GEMV_THREADS = 128, GEMV_STEP = GEMV_THREADS * 8;
 // 1024), so short and long rows alike give many blocks and many loads in
 // flight. Leaves each warp's sums in partial[warp][r][j].
 //
-// With NORM (one token): x is x * g, and the block's sum of residual^2 (its
-// BF16 copy) also goes to sumsq[warp] (see block_rms_scale).
+// With NORM (one token): the block's sum of x^2 also goes to sumsq[warp]
+// (see block_rms_scale).
 template <int N, int ROWS, int UNROLL, bool NORM = false>
 __device__ __forceinline__ void gemv_block_sums(const bf16* __restrict__ w, const bf16* __restrict__ x, int n, int row0, int row_step,
-                                                int rows, int cols, float (*partial)[ROWS][N],
-                                                const bf16* __restrict__ residual = nullptr, float* sumsq = nullptr) {
+                                                int rows, int cols, float (*partial)[ROWS][N], float* sumsq = nullptr) {
     static_assert(!NORM || N == 1, "the fused norm takes one token");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float ss = 0.0f;
@@ -78,10 +77,8 @@ __device__ __forceinline__ void gemv_block_sums(const bf16* __restrict__ w, cons
                     float xf[8];
                     unpack8(__ldg((const uint4*)(x + (u64)j * cols + c)), xf);
                     if (NORM) {
-                        float rf[8];
-                        unpack8(__ldg((const uint4*)(residual + c)), rf);
 #pragma unroll
-                        for (int e = 0; e < 8; e++) ss += rf[e] * rf[e];
+                        for (int e = 0; e < 8; e++) ss += xf[e] * xf[e];
                     }
 #pragma unroll
                     for (int r = 0; r < ROWS; r++) acc[r][j] += dot8(wv[u][r], xf);
@@ -156,14 +153,12 @@ extern "C" __global__ void __launch_bounds__(128) gemv_bf16_n8(GEMV_ARGS) {
     gemv<8, 8, 1>(w, x, y, n, rows, cols, accumulate);
 }
 
-// One token: y += W x, and for the fused input projection after it the
-// new y as BF16 (y_bf16) and times the next RMSNorm's weights, as BF16
-// (y_scaled = bf16(y * norm_w); skipped where norm_w is null). An output
-// projection, o or down, at batch 1; y and the sums are those of
-// gemv_bf16_n1 with accumulate. Grid: rows / 2 blocks.
-extern "C" __global__ void __launch_bounds__(128) gemv_residual_n1(
-    const bf16* __restrict__ w, const bf16* __restrict__ x, float* __restrict__ y, int rows, int cols,
-    bf16* __restrict__ y_bf16, const float* __restrict__ norm_w, bf16* __restrict__ y_scaled) {
+// One token: y += W x, and the new y as BF16 (y_bf16) for the fused input
+// projection after it. An output projection, o or down, at batch 1; y and
+// the sums are those of gemv_bf16_n1 with accumulate. Grid: rows / 2 blocks.
+extern "C" __global__ void __launch_bounds__(128) gemv_residual_n1(const bf16* __restrict__ w,
+                                                                   const bf16* __restrict__ x, float* __restrict__ y,
+                                                                   int rows, int cols, bf16* __restrict__ y_bf16) {
     wait_for_previous_kernels();
     __shared__ float partial[GEMV_THREADS / 32][2][1];
     const int row0 = blockIdx.x * 2;
@@ -173,24 +168,23 @@ extern "C" __global__ void __launch_bounds__(128) gemv_residual_n1(
         const float sum = y[r] + block_row_sum(partial, threadIdx.x, 0);
         y[r] = sum;
         y_bf16[r] = f32_to_bf16(sum);
-        if (norm_w) y_scaled[r] = f32_to_bf16(sum * norm_w[r]);
     }
 }
 
-// One token, RMSNorm in front: x_scaled = bf16(x * g) and residual = bf16(x)
-// (`cols` wide, as gemv_residual_n1 or embed_rows wrote them). The QKV
-// projection, a block taking one adjacent pair of rows, which RoPE rotates
-// together (rope_kv_pair): Q to q_out, K and V into the token's cache slot.
-// Grid: rows / 2 blocks.
+// One token, RMSNorm in front: x = bf16(residual) (`cols` wide, as
+// gemv_residual_n1 or embed_rows wrote it), w with the norm's weights folded
+// in. The QKV projection, a block taking one adjacent pair of rows, which
+// RoPE rotates together (rope_kv_pair): Q to q_out, K and V into the token's
+// cache slot. Grid: rows / 2 blocks.
 extern "C" __global__ void __launch_bounds__(128) gemv_norm_rope_n1(
-    const bf16* __restrict__ w, const bf16* __restrict__ x_scaled, const bf16* __restrict__ residual, float eps,
-    int rows, int cols, const int* __restrict__ positions, const int* __restrict__ slots, bf16* __restrict__ q_out,
+    const bf16* __restrict__ w, const bf16* __restrict__ x, float eps, int rows, int cols,
+    const int* __restrict__ positions, const int* __restrict__ slots, bf16* __restrict__ q_out,
     bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, int n_heads, int n_kv_heads, int head_dim, float theta) {
     wait_for_previous_kernels();
     __shared__ float partial[GEMV_THREADS / 32][2][1];
     __shared__ float sumsq[GEMV_THREADS / 32];
     const int row0 = blockIdx.x * 2;
-    gemv_block_sums<1, 2, 4, true>(w, x_scaled, 1, row0, 1, rows, cols, partial, residual, sumsq);
+    gemv_block_sums<1, 2, 4, true>(w, x, 1, row0, 1, rows, cols, partial, sumsq);
     if (threadIdx.x == 0) {
         const float scale = block_rms_scale(sumsq, cols, eps);
         const RopeKvOut o{positions, slots, q_out, k_cache, v_cache, n_heads, n_kv_heads, head_dim, theta};
@@ -201,13 +195,13 @@ extern "C" __global__ void __launch_bounds__(128) gemv_norm_rope_n1(
 // One token, as above: RMSNorm, then gate row b and up row ffn + b of the
 // stacked [gate | up] weights in block b, out[b] = bf16(silu(gate) * up).
 // Grid: ffn blocks.
-extern "C" __global__ void __launch_bounds__(128) gemv_norm_swiglu_n1(
-    const bf16* __restrict__ w, const bf16* __restrict__ x_scaled, const bf16* __restrict__ residual, float eps,
-    int ffn, int cols, bf16* __restrict__ out) {
+extern "C" __global__ void __launch_bounds__(128) gemv_norm_swiglu_n1(const bf16* __restrict__ w,
+                                                                      const bf16* __restrict__ x, float eps, int ffn,
+                                                                      int cols, bf16* __restrict__ out) {
     wait_for_previous_kernels();
     __shared__ float partial[GEMV_THREADS / 32][2][1];
     __shared__ float sumsq[GEMV_THREADS / 32];
-    gemv_block_sums<1, 2, 4, true>(w, x_scaled, 1, blockIdx.x, ffn, 2 * ffn, cols, partial, residual, sumsq);
+    gemv_block_sums<1, 2, 4, true>(w, x, 1, blockIdx.x, ffn, 2 * ffn, cols, partial, sumsq);
     if (threadIdx.x == 0) {
         const float scale = block_rms_scale(sumsq, cols, eps);
         out[blockIdx.x] = f32_to_bf16(

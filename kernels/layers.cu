@@ -2,23 +2,18 @@
 // RoPE with the KV cache write, SwiGLU. The residual stream is f32; GEMM inputs
 // are bf16.
 
-// x[t] = embedding row tokens[t]. With x_bf16 (not null; for the fused
-// one-token GEMVs, gemv.cu): the row as it is (BF16) to x_bf16 and
-// bf16(row * norm_w), norm_w the first RMSNorm's weights, to x_scaled. One
-// block per token.
+// x[t] = embedding row tokens[t], and with x_bf16 (not null; for the fused
+// one-token GEMVs, gemv.cu) the row as it is (BF16) to x_bf16 too. One block
+// per token.
 extern "C" __global__ void embed_rows(const bf16* __restrict__ table, const int* __restrict__ tokens,
-                                      float* __restrict__ x, bf16* __restrict__ x_bf16,
-                                      const float* __restrict__ norm_w, bf16* __restrict__ x_scaled, int hidden) {
+                                      float* __restrict__ x, bf16* __restrict__ x_bf16, int hidden) {
     wait_for_previous_kernels();
     const bf16* row = table + (u64)tokens[blockIdx.x] * hidden;
     float* out = x + (u64)blockIdx.x * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[i] = bf16_to_f32(row[i]);
     if (x_bf16) {
         const u64 at = (u64)blockIdx.x * hidden;
-        for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-            x_bf16[at + i] = row[i];
-            x_scaled[at + i] = f32_to_bf16(bf16_to_f32(row[i]) * norm_w[i]);
-        }
+        for (int i = threadIdx.x; i < hidden; i += blockDim.x) x_bf16[at + i] = row[i];
     }
 }
 

@@ -149,28 +149,20 @@ pub fn fuses(c: &LlamaConfig) -> bool {
         .all(|d| d.is_multiple_of(8))
 }
 
-/// What a fused one-token input projection reads: the RMSNorm's input
-/// as two BF16 rows of `hidden`, `scaled` = bf16(x * g) (g the norm's
-/// weights) and `residual` = bf16(x), which `embed_rows` and
-/// `gemv_residual` write.
-#[derive(Clone, Copy, Debug)]
-pub struct NormInput {
-    pub scaled: DevPtr,
-    pub residual: DevPtr,
-}
-
 /// One token's QKV projection at batch 1 with what comes before and after
-/// it, in one launch: RMSNorm of `input`, times `w` (BF16, q_dim + 2 kv_dim
-/// rows of `hidden`), RoPE, Q to `q_out` and K and V into this layer's cache
-/// at `slots[0]` (position `positions[0]`): the values `rms_norm`, the GEMV
-/// and `rope_store_kv` give, up to rounding (here x * g is rounded to BF16,
-/// there x / rms(x) * g).
+/// it, in one launch: RMSNorm of `x` (the residual as BF16, `hidden`, which
+/// `embed_rows` or `gemv_residual` wrote), times `w` (BF16, q_dim + 2 kv_dim
+/// rows of `hidden`, the norm's weights folded into its columns), RoPE, Q to
+/// `q_out` and K and V into this layer's cache at `slots[0]` (position
+/// `positions[0]`): the values `rms_norm` (weights g), the GEMV with the
+/// unfolded weights and `rope_store_kv` give, up to rounding (here W g and x
+/// are rounded to BF16, there W and x / rms(x) * g).
 #[allow(clippy::too_many_arguments)]
 pub fn gemv_norm_rope(
     gpu: &Gpu,
     c: &LlamaConfig,
     w: DevPtr,
-    input: NormInput,
+    x: DevPtr,
     positions: DevPtr,
     slots: DevPtr,
     q_out: DevPtr,
@@ -178,19 +170,12 @@ pub fn gemv_norm_rope(
     v_cache: DevPtr,
 ) -> Result<(), GpuError> {
     let rows = c.q_dim() + 2 * c.kv_dim();
-    // SAFETY (kernel): w holds rows x hidden BF16, input's rows `hidden`
-    // (a multiple of 8: `fuses`), positions and slots one entry, q_out
-    // q_dim; the slot is in the cache. A block a row pair.
+    // SAFETY (kernel): w holds rows x hidden BF16, x `hidden` (a multiple of
+    // 8: `fuses`), positions and slots one entry, q_out q_dim; the slot is
+    // in the cache. A block a row pair.
     let out = RopeKvOut::new(c, positions, slots, q_out, k_cache, v_cache);
     let (rows32, hidden) = (rows as i32, c.hidden as i32);
-    let mut args: Vec<&dyn KernelArg> = vec![
-        &w,
-        &input.scaled,
-        &input.residual,
-        &c.rms_eps,
-        &rows32,
-        &hidden,
-    ];
+    let mut args: Vec<&dyn KernelArg> = vec![&w, &x, &c.rms_eps, &rows32, &hidden];
     args.extend(out.args());
     gpu.launch(
         "gemv_norm_rope_n1",
@@ -200,26 +185,25 @@ pub fn gemv_norm_rope(
 }
 
 /// One token's gate and up projections at batch 1 with the RMSNorm in front
-/// (as in `gemv_norm_rope`) and SwiGLU after, in one launch: the stacked
-/// [gate | up] weights `w` (2 ffn rows of `hidden`) times the normalized
-/// `input`, `act = bf16(silu(gate) * up)`.
+/// (as in `gemv_norm_rope`: `x` the residual as BF16, the norm's weights
+/// folded into `w`) and SwiGLU after, in one launch: the stacked [gate | up]
+/// weights `w` (2 ffn rows of `hidden`) times the normalized `x`,
+/// `act = bf16(silu(gate) * up)`.
 pub fn gemv_norm_swiglu(
     gpu: &Gpu,
     c: &LlamaConfig,
     w: DevPtr,
-    input: NormInput,
+    x: DevPtr,
     act: DevPtr,
 ) -> Result<(), GpuError> {
-    // SAFETY (kernel): w holds 2 ffn x hidden BF16, input's rows `hidden`
-    // (a multiple of 8: `fuses`), act ffn BF16. A block a gate row and its
-    // up row.
+    // SAFETY (kernel): w holds 2 ffn x hidden BF16, x `hidden` (a multiple
+    // of 8: `fuses`), act ffn BF16. A block a gate row and its up row.
     gpu.launch(
         "gemv_norm_swiglu_n1",
         grid((c.ffn as u32, 1, 1), GEMV_THREADS, 0),
         &[
             &w,
-            &input.scaled,
-            &input.residual,
+            &x,
             &c.rms_eps,
             &(c.ffn as i32),
             &(c.hidden as i32),
@@ -229,11 +213,9 @@ pub fn gemv_norm_swiglu(
 }
 
 /// One token's output projection at batch 1: `y += w x` (y f32, `rows`;
-/// `w` BF16 rows of `cols`, a multiple of 8), writing for the fused input
-/// projection after it `next.residual` = bf16(y) and, where `norm_w` (the
-/// next RMSNorm's weights, f32) is not 0, `next.scaled` = bf16(y * norm_w).
-/// y is what `gemv_bf16` with accumulate gives.
-#[allow(clippy::too_many_arguments)]
+/// `w` BF16 rows of `cols`, a multiple of 8), writing the new y as BF16 to
+/// `y_bf16` for the fused input projection after it. y is what `gemv_bf16`
+/// with accumulate gives.
 pub fn gemv_residual(
     gpu: &Gpu,
     w: DevPtr,
@@ -241,24 +223,14 @@ pub fn gemv_residual(
     y: DevPtr,
     rows: usize,
     cols: usize,
-    norm_w: DevPtr,
-    next: NormInput,
+    y_bf16: DevPtr,
 ) -> Result<(), GpuError> {
     // SAFETY (kernel): w holds rows x cols BF16, x cols BF16, y rows f32,
-    // next's rows and norm_w (unless 0) `rows`. A block a row pair.
+    // y_bf16 rows BF16. A block a row pair.
     gpu.launch(
         "gemv_residual_n1",
         grid((rows.div_ceil(2) as u32, 1, 1), GEMV_THREADS, 0),
-        &[
-            &w,
-            &x,
-            &y,
-            &(rows as i32),
-            &(cols as i32),
-            &next.residual,
-            &norm_w,
-            &next.scaled,
-        ],
+        &[&w, &x, &y, &(rows as i32), &(cols as i32), &y_bf16],
     )
 }
 

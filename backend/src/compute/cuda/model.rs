@@ -61,8 +61,14 @@ impl Linear {
 
     /// The matrix of `parts` stacked by rows (each `rows x cols` as given):
     /// FP4 as it is when every part is FP4 of one format and the kernels take
-    /// the columns; else BF16 (FP4 parts dequantized).
-    fn stacked(gpu: &Gpu, parts: &[&Weight], cols: usize) -> Result<Linear, GpuError> {
+    /// the columns; else BF16 (FP4 parts dequantized), its columns times
+    /// `col_scale` where one is given (`put_weight`).
+    fn stacked(
+        gpu: &Gpu,
+        parts: &[&Weight],
+        cols: usize,
+        col_scale: Option<&[f32]>,
+    ) -> Result<Linear, GpuError> {
         let fp4: Vec<&Fp4Matrix> = parts
             .iter()
             .filter_map(|w| match w {
@@ -78,22 +84,31 @@ impl Linear {
         }
         let rows: usize = parts.iter().map(|w| w.rows()).sum();
         let out = gpu.alloc::<Bf16>(rows * cols)?;
+        let col_scale = col_scale.map(|g| gpu.upload(g)).transpose()?;
+        let col_scale = col_scale.as_ref().map_or(0, |g| gpu.ptr(g, 0));
         let mut row = 0;
         for w in parts {
-            put_weight(gpu, w, gpu.ptr(&out, row * cols))?;
+            put_weight(gpu, w, gpu.ptr(&out, row * cols), col_scale)?;
             row += w.rows();
         }
         Ok(Linear::Bf16(out))
     }
 }
 
+/// A layer's weights. Each RMSNorm's weights g are folded into the columns
+/// of the projection after it where that is BF16 (W diag(g), rounded once
+/// at load: RMSNorm(x) W^T = (x / rms(x)) (W diag(g))^T), and the norm then
+/// applies ones; FP4 projections keep W as quantized and the norm applies g.
+/// So the fused one-token GEMVs read the residual alone (gemv.cu).
 #[derive(Debug)]
 struct CudaLayer {
+    /// The weights `rms_norm` applies before QKV: ones where folded.
     attn_norm: CudaSlice<f32>,
     /// [q_dim + 2 kv_dim, hidden]
     wqkv: Linear,
     /// [hidden, q_dim]
     wo: Linear,
+    /// The weights `rms_norm` applies before gate/up: ones where folded.
     ffn_norm: CudaSlice<f32>,
     /// [2 ffn, hidden]: gate rows, then up rows.
     w_gate_up: Linear,
@@ -198,17 +213,24 @@ impl CudaLlama {
         let (embed_w, layers_w, norm_w, head_w) = model.parts();
         let (h, q, ffn) = (c.hidden, c.q_dim(), c.ffn);
         let put = |dst: &CudaSlice<Bf16>, row: usize, cols: usize, w: &Weight| {
-            put_weight(&gpu, w, gpu.ptr(dst, row * cols))
+            put_weight(&gpu, w, gpu.ptr(dst, row * cols), 0)
         };
         let mut layers = Vec::with_capacity(c.n_layers);
+        // The norm's weights left to apply once `linear` took them or not.
+        let applied = |linear: &Linear, g: &[f32]| match linear {
+            Linear::Bf16(_) => gpu.upload(&vec![1.0f32; g.len()]),
+            Linear::Fp4(_) => gpu.upload(g),
+        };
         for l in layers_w {
+            let wqkv = Linear::stacked(&gpu, &[&l.wq, &l.wk, &l.wv], h, Some(&l.attn_norm))?;
+            let w_gate_up = Linear::stacked(&gpu, &[&l.w_gate, &l.w_up], h, Some(&l.ffn_norm))?;
             layers.push(CudaLayer {
-                attn_norm: gpu.upload(&l.attn_norm)?,
-                wqkv: Linear::stacked(&gpu, &[&l.wq, &l.wk, &l.wv], h)?,
-                wo: Linear::stacked(&gpu, &[&l.wo], q)?,
-                ffn_norm: gpu.upload(&l.ffn_norm)?,
-                w_gate_up: Linear::stacked(&gpu, &[&l.w_gate, &l.w_up], h)?,
-                w_down: Linear::stacked(&gpu, &[&l.w_down], ffn)?,
+                attn_norm: applied(&wqkv, &l.attn_norm)?,
+                wqkv,
+                wo: Linear::stacked(&gpu, &[&l.wo], q, None)?,
+                ffn_norm: applied(&w_gate_up, &l.ffn_norm)?,
+                w_gate_up,
+                w_down: Linear::stacked(&gpu, &[&l.w_down], ffn, None)?,
             });
             gpu.synchronize()?;
         }
@@ -276,6 +298,7 @@ impl CudaLlama {
                 None => Linear::Bf16(random(rows * cols, cols)?),
             })
         };
+        // Norms of 1: folded into BF16 projections or not, they apply ones.
         let mut layers = Vec::with_capacity(c.n_layers);
         for _ in 0..c.n_layers {
             layers.push(CudaLayer {
@@ -530,49 +553,28 @@ impl CudaLlama {
 
         // One token with the fast numerics, every linear layer BF16: the
         // fused GEMVs (layers::gemv_norm_rope and its kin), each input
-        // projection taking the RMSNorm in front of it and what follows it,
-        // reading the norm's input from the two rows of `xn` that the
-        // embedding and the output projections write (`norm_in`). Six
-        // launches a layer instead of ten.
+        // projection taking the RMSNorm in front of it (its weights folded
+        // into the projection's, CudaLayer) and what follows it, reading the
+        // residual as BF16 from `xn`, which the embedding and the output
+        // projections write. Six launches a layer instead of ten.
         let fused = n == 1 && ws.numerics == Numerics::Fast && self.fused_one_token();
-        let norm_in = layers::NormInput {
-            scaled: xn,
-            residual: gpu.ptr(&ws.xn, h),
-        };
-        let layer0_norm = self.layers.first().map_or(null, |l| p(&l.attn_norm));
         // SAFETY (all launches): the buffers were sized by `reserve` for n
-        // tokens and m logit rows (xn: at least two rows); the index arrays
-        // hold n (or m) entries.
-        let (residual, scaled) = if fused {
-            (norm_in.residual, norm_in.scaled)
-        } else {
-            (null, null)
-        };
+        // tokens and m logit rows; the index arrays hold n (or m) entries.
+        let x_bf16 = if fused { xn } else { null };
         gpu.launch(
             "embed_rows",
             grid((n32, 1, 1), 256, 0),
-            &[
-                &b(&self.embed),
-                &meta.tokens,
-                &x,
-                &residual,
-                &layer0_norm,
-                &scaled,
-                &h32,
-            ],
+            &[&b(&self.embed), &meta.tokens, &x, &x_bf16, &h32],
         )?;
         for (li, layer) in self.layers.iter().enumerate() {
             let (k_cache, v_cache) = kv.layer(gpu, li);
             let (pos, slots) = (meta.positions, meta.slots);
             if let Some([wqkv, wo, w_gate_up, w_down]) = layer.bf16_weights().filter(|_| fused) {
-                // The next layer's attention norm; none after the last (the
-                // head's norm reads the f32 residual).
-                let next_norm = self.layers.get(li + 1).map_or(null, |l| p(&l.attn_norm));
-                layers::gemv_norm_rope(gpu, c, b(wqkv), norm_in, pos, slots, qb, k_cache, v_cache)?;
+                layers::gemv_norm_rope(gpu, c, b(wqkv), xn, pos, slots, qb, k_cache, v_cache)?;
                 launch_attention(gpu, c, ws, plan, meta, qb, k_cache, v_cache, attn)?;
-                layers::gemv_residual(gpu, b(wo), attn, x, h, q_dim, p(&layer.ffn_norm), norm_in)?;
-                layers::gemv_norm_swiglu(gpu, c, b(w_gate_up), norm_in, act)?;
-                layers::gemv_residual(gpu, b(w_down), act, x, h, ffn, next_norm, norm_in)?;
+                layers::gemv_residual(gpu, b(wo), attn, x, h, q_dim, xn)?;
+                layers::gemv_norm_swiglu(gpu, c, b(w_gate_up), xn, act)?;
+                layers::gemv_residual(gpu, b(w_down), act, x, h, ffn, xn)?;
                 continue;
             }
             layers::rms_norm(gpu, x, null, p(&layer.attn_norm), xn, n, h, eps)?;
@@ -711,9 +713,12 @@ pub(crate) fn launch_attention(
     Ok(())
 }
 
-/// Writes `w` as BF16 at `dst` (rows x cols elements).
-fn put_weight(gpu: &Gpu, w: &Weight, dst: DevPtr) -> Result<(), GpuError> {
+/// Writes `w` as BF16 at `dst` (rows x cols elements); with `col_scale` (a
+/// device pointer to `cols` f32, or 0 for none) each column times its scale,
+/// multiplied in f32 and rounded once (weights.cu).
+fn put_weight(gpu: &Gpu, w: &Weight, dst: DevPtr, col_scale: DevPtr) -> Result<(), GpuError> {
     let n = (w.rows() * w.cols()) as u64;
+    let cols = w.cols() as u64;
     // SAFETY (launches): the sources hold what the kernels read for n
     // elements; dst has room for n BF16 values (the caller's layout).
     let from_f32 = |values: &[f32]| -> Result<(), GpuError> {
@@ -721,7 +726,7 @@ fn put_weight(gpu: &Gpu, w: &Weight, dst: DevPtr) -> Result<(), GpuError> {
         gpu.launch(
             "f32_to_bf16_array",
             elementwise(n as usize),
-            &[&gpu.ptr(&src, 0), &dst, &n],
+            &[&gpu.ptr(&src, 0), &dst, &n, &col_scale, &cols],
         )?;
         gpu.synchronize()
     };
@@ -743,6 +748,8 @@ fn put_weight(gpu: &Gpu, w: &Weight, dst: DevPtr) -> Result<(), GpuError> {
                         &gpu.ptr(&q, 0),
                         &dst,
                         &blocks,
+                        &col_scale,
+                        &cols,
                     ],
                 )?;
                 gpu.synchronize()?;
@@ -753,7 +760,14 @@ fn put_weight(gpu: &Gpu, w: &Weight, dst: DevPtr) -> Result<(), GpuError> {
                 gpu.launch(
                     "dequant_q8_0",
                     elementwise(n as usize),
-                    &[&gpu.ptr(&s, 0), &gpu.ptr(&q, 0), &dst, &blocks],
+                    &[
+                        &gpu.ptr(&s, 0),
+                        &gpu.ptr(&q, 0),
+                        &dst,
+                        &blocks,
+                        &col_scale,
+                        &cols,
+                    ],
                 )?;
                 gpu.synchronize()?;
             }
@@ -764,8 +778,8 @@ fn put_weight(gpu: &Gpu, w: &Weight, dst: DevPtr) -> Result<(), GpuError> {
 
 /// `put_weight`, for the kernel tests.
 #[cfg(test)]
-pub(crate) fn put_weight_for_test(gpu: &Gpu, w: &Weight, dst: DevPtr) {
-    put_weight(gpu, w, dst).expect("put weight");
+pub(crate) fn put_weight_for_test(gpu: &Gpu, w: &Weight, dst: DevPtr, col_scale: DevPtr) {
+    put_weight(gpu, w, dst, col_scale).expect("put weight");
 }
 
 /// K and V of every layer: `n_blocks` pages of `block_size` token slots of
@@ -852,9 +866,6 @@ impl Drop for CudaKvCache {
     }
 }
 
-// A fused one-token step keeps two rows in `Workspace::xn`.
-const _: () = assert!(GEMM_ROW_TILE >= 2);
-
 /// Activations and step metadata, grown to the largest step seen, and the
 /// CUDA graphs captured over them.
 pub struct Workspace {
@@ -867,8 +878,7 @@ pub struct Workspace {
     splits: usize,
     x: CudaSlice<f32>,
     /// The normalized rows (BF16); in a fused one-token step, the norm's
-    /// input instead (`layers::NormInput`): x * g in row 0, the residual in
-    /// row 1 (the buffer holds at least GEMM_ROW_TILE rows).
+    /// input instead: the residual as BF16.
     xn: CudaSlice<Bf16>,
     qkv: CudaSlice<f32>,
     q: CudaSlice<Bf16>,

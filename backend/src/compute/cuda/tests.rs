@@ -14,7 +14,7 @@ use super::device::Gpu;
 use super::layers;
 use super::model::{CudaKvCache, Workspace, launch_attention};
 use super::plan::{SplitPolicy, StepPlan};
-use crate::compute::cpu::{Weight, dot, rms_norm, rope, rope_table, silu, softmax};
+use crate::compute::cpu::{Matrix, Weight, dot, rms_norm, rope, rope_table, silu, softmax};
 use crate::model::{LlamaConfig, Logits, SeqChunk};
 
 fn gpu() -> Option<Arc<Gpu>> {
@@ -69,13 +69,34 @@ fn dequantization_matches_the_cpu_rows() {
         q8.extend(half::f16::from_f32(0.003 * (b as f32 + 1.0)).to_le_bytes());
         q8.extend((0..32).map(|j| (b as i32 * 5 + j * 11 - 128) as u8));
     }
-    for (bytes, q4_1) in [(q4, true), (q8, false)] {
-        let w = Weight::from_blocks(rows, cols, q4_1, &bytes).expect("blocks");
-        let out = gpu.alloc::<u16>(rows * cols).expect("alloc");
-        super::model::put_weight_for_test(&gpu, &w, gpu.ptr(&out, 0));
-        let got = from_bf16(&gpu.download(&out, rows * cols).expect("download"));
-        let want: Vec<f32> = (0..rows).flat_map(|r| w.row_f32(r)).collect();
-        assert_bf16_close(&got, &want, if q4_1 { "q4_1" } else { "q8_0" });
+    // Also with an RMSNorm's weights folded into the columns.
+    let g: Vec<f32> = values(cols, 3).iter().map(|v| 1.0 + 0.5 * v).collect();
+    let dg = gpu.upload(&g).expect("upload");
+    let rows_f32 = |w: &Weight| -> Vec<f32> { (0..rows).flat_map(|r| w.row_f32(r)).collect() };
+    let f32_weight = Weight::F32(Matrix {
+        rows,
+        cols,
+        data: values(rows * cols, 4),
+    });
+    let blocks = |bytes: &[u8], q4_1| Weight::from_blocks(rows, cols, q4_1, bytes).expect("blocks");
+    for (w, what) in [
+        (blocks(&q4, true), "q4_1"),
+        (blocks(&q8, false), "q8_0"),
+        (f32_weight, "f32"),
+    ] {
+        for folded in [false, true] {
+            let out = gpu.alloc::<u16>(rows * cols).expect("alloc");
+            let scale = if folded { gpu.ptr(&dg, 0) } else { 0 };
+            super::model::put_weight_for_test(&gpu, &w, gpu.ptr(&out, 0), scale);
+            let got = from_bf16(&gpu.download(&out, rows * cols).expect("download"));
+            let mut want = rows_f32(&w);
+            if folded {
+                for (i, v) in want.iter_mut().enumerate() {
+                    *v *= g[i % cols];
+                }
+            }
+            assert_bf16_close(&got, &want, &format!("{what}, folded {folded}"));
+        }
     }
 }
 
@@ -295,11 +316,13 @@ struct FusedOutputs {
 }
 
 /// The one-token fused GEMVs (RMSNorm, then QKV with RoPE and the KV write,
-/// or gate/up with SwiGLU) against the separate kernels they stand for,
-/// which the tests above hold to the CPU. Where x / rms(x) is exact in BF16
-/// (x = +-2, so 1 / rms = 0.5 exactly with eps 0) the two give the same
-/// bits: the same products, bf16(g) there and bf16(2 g) here, summed in the
-/// same order. Elsewhere they differ only in where BF16 rounds.
+/// or gate/up with SwiGLU; the norm's weights g folded into the weights'
+/// columns) against the separate kernels they stand for (g applied by
+/// `rms_norm`, the weights unfolded), which the tests above hold to the CPU.
+/// Where x / rms(x) is exact in BF16 (x = +-2, so 1 / rms = 0.5 exactly with
+/// eps 0) and g is a power of two (so that bf16(W g) = bf16(W) g) the two
+/// give the same bits: each product twice the other's, summed in the same
+/// order, then halved. Elsewhere they differ only in where BF16 rounds.
 #[test]
 fn fused_one_token_gemvs_equal_the_separate_kernels() {
     let Some(gpu) = gpu() else { return };
@@ -316,37 +339,40 @@ fn fused_one_token_gemvs_equal_the_separate_kernels() {
         let qkv_rows = q_dim + 2 * kv_dim;
         let block_size = 16;
         let (pos, slot) = (37i32, 5 * block_size as i32 + 37 % block_size as i32);
-        let norm_w: Vec<f32> = values(hidden, 42).iter().map(|v| 1.0 + 0.5 * v).collect();
-        let w_qkv = gpu
-            .upload(&to_bf16(&values(qkv_rows * hidden, 43)))
-            .unwrap();
-        let w_gate_up = gpu.upload(&to_bf16(&values(2 * ffn * hidden, 44))).unwrap();
+        let w_qkv = from_bf16(&to_bf16(&values(qkv_rows * hidden, 43)));
+        let w_gate_up = from_bf16(&to_bf16(&values(2 * ffn * hidden, 44)));
         let (dpos, dslot) = (gpu.upload(&[pos]).unwrap(), gpu.upload(&[slot]).unwrap());
-        let dnorm = gpu.upload(&norm_w).unwrap();
-        let (qkv_w, gate_up_w, norm_p) = (
-            gpu.ptr(&w_qkv, 0),
-            gpu.ptr(&w_gate_up, 0),
-            gpu.ptr(&dnorm, 0),
-        );
         let (pos_p, slot_p) = (gpu.ptr(&dpos, 0), gpu.ptr(&dslot, 0));
 
-        // The separate kernels on the f32 residual `x`.
-        let separate = |x: &[f32]| {
-            let dx = gpu.upload(x).unwrap();
+        // The separate kernels on the f32 residual `x`, norm weights `g`.
+        let separate = |x: &[f32], g: &[f32]| {
+            let (dx, dg) = (gpu.upload(x).unwrap(), gpu.upload(g).unwrap());
             let xn = gpu.alloc::<u16>(hidden).unwrap();
             let xn_p = gpu.ptr(&xn, 0);
-            layers::rms_norm(&gpu, gpu.ptr(&dx, 0), 0, norm_p, xn_p, 1, hidden, c.rms_eps).unwrap();
+            layers::rms_norm(
+                &gpu,
+                gpu.ptr(&dx, 0),
+                0,
+                gpu.ptr(&dg, 0),
+                xn_p,
+                1,
+                hidden,
+                c.rms_eps,
+            )
+            .unwrap();
+            let dw = gpu.upload(&to_bf16(&w_qkv)).unwrap();
             let qkv = gpu.alloc::<f32>(qkv_rows).unwrap();
             let qkv_p = gpu.ptr(&qkv, 0);
-            gpu.gemv_bf16(qkv_w, xn_p, qkv_p, 1, qkv_rows, hidden, false)
+            gpu.gemv_bf16(gpu.ptr(&dw, 0), xn_p, qkv_p, 1, qkv_rows, hidden, false)
                 .unwrap();
             let kv = CudaKvCache::new(&gpu, &c, 8, block_size).unwrap();
             let (k, v) = kv.layer(&gpu, 0);
             let q = gpu.alloc::<u16>(q_dim).unwrap();
             layers::rope_store_kv(&gpu, &c, qkv_p, pos_p, slot_p, gpu.ptr(&q, 0), k, v, 1).unwrap();
+            let dw = gpu.upload(&to_bf16(&w_gate_up)).unwrap();
             let gate_up = gpu.alloc::<f32>(2 * ffn).unwrap();
             let gate_up_p = gpu.ptr(&gate_up, 0);
-            gpu.gemv_bf16(gate_up_w, xn_p, gate_up_p, 1, 2 * ffn, hidden, false)
+            gpu.gemv_bf16(gpu.ptr(&dw, 0), xn_p, gate_up_p, 1, 2 * ffn, hidden, false)
                 .unwrap();
             let act = gpu.alloc::<u16>(ffn).unwrap();
             layers::silu_mul(&gpu, gate_up_p, gpu.ptr(&act, 0), 1, ffn).unwrap();
@@ -356,24 +382,38 @@ fn fused_one_token_gemvs_equal_the_separate_kernels() {
                 act: gpu.download(&act, ffn).unwrap(),
             }
         };
-        // The fused kernels on bf16(x * g) and bf16(x) (x is BF16 here).
-        let fused = |x: &[f32]| {
-            let scaled: Vec<f32> = x.iter().zip(&norm_w).map(|(v, g)| v * g).collect();
-            let (ds, dr) = (
-                gpu.upload(&to_bf16(&scaled)).unwrap(),
-                gpu.upload(&to_bf16(x)).unwrap(),
-            );
-            let input = layers::NormInput {
-                scaled: gpu.ptr(&ds, 0),
-                residual: gpu.ptr(&dr, 0),
+        // The fused kernels on bf16(x) (x is BF16 here), g folded into the
+        // weights' columns as the model does at load.
+        let fused = |x: &[f32], g: &[f32]| {
+            let fold = |w: &[f32]| {
+                let folded: Vec<f32> = w
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| v * g[i % hidden])
+                    .collect();
+                gpu.upload(&to_bf16(&folded)).unwrap()
             };
+            let (dqkv, dgate_up) = (fold(&w_qkv), fold(&w_gate_up));
+            let dx = gpu.upload(&to_bf16(x)).unwrap();
+            let x_p = gpu.ptr(&dx, 0);
             let kv = CudaKvCache::new(&gpu, &c, 8, block_size).unwrap();
             let (k, v) = kv.layer(&gpu, 0);
             let q = gpu.alloc::<u16>(q_dim).unwrap();
-            layers::gemv_norm_rope(&gpu, &c, qkv_w, input, pos_p, slot_p, gpu.ptr(&q, 0), k, v)
-                .unwrap();
+            layers::gemv_norm_rope(
+                &gpu,
+                &c,
+                gpu.ptr(&dqkv, 0),
+                x_p,
+                pos_p,
+                slot_p,
+                gpu.ptr(&q, 0),
+                k,
+                v,
+            )
+            .unwrap();
             let act = gpu.alloc::<u16>(ffn).unwrap();
-            layers::gemv_norm_swiglu(&gpu, &c, gate_up_w, input, gpu.ptr(&act, 0)).unwrap();
+            layers::gemv_norm_swiglu(&gpu, &c, gpu.ptr(&dgate_up, 0), x_p, gpu.ptr(&act, 0))
+                .unwrap();
             FusedOutputs {
                 q: gpu.download(&q, q_dim).unwrap(),
                 kv: kv.read_layer(&gpu, 0).unwrap(),
@@ -385,7 +425,11 @@ fn fused_one_token_gemvs_equal_the_separate_kernels() {
             .iter()
             .map(|v| if *v < 0.0 { -2.0 } else { 2.0 })
             .collect();
-        let (a, b) = (separate(&twos), fused(&twos));
+        let powers_of_two: Vec<f32> = (0..hidden).map(|i| [0.5, 1.0, 2.0][i % 3]).collect();
+        let (a, b) = (
+            separate(&twos, &powers_of_two),
+            fused(&twos, &powers_of_two),
+        );
         assert_eq!(b.q, a.q, "hidden {hidden}: q");
         assert_eq!(b.kv, a.kv, "hidden {hidden}: the caches");
         let at = slot as usize * kv_dim..(slot as usize + 1) * kv_dim;
@@ -397,9 +441,11 @@ fn fused_one_token_gemvs_equal_the_separate_kernels() {
         assert_eq!(b.act, a.act, "hidden {hidden}: act");
         assert!(a.act.iter().any(|&v| v != 0), "act was written");
 
-        // Any residual: within a few BF16 roundings of the largest value.
+        // Any residual and norm weights: within a few BF16 roundings of the
+        // largest value.
         let x = from_bf16(&to_bf16(&values(hidden, 45)));
-        let (a, b) = (separate(&x), fused(&x));
+        let g: Vec<f32> = values(hidden, 42).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let (a, b) = (separate(&x, &g), fused(&x, &g));
         let close = |got: &[f32], want: &[f32], what: &str| {
             let most = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             for (i, (g, w)) in got.iter().zip(want).enumerate() {
@@ -417,50 +463,38 @@ fn fused_one_token_gemvs_equal_the_separate_kernels() {
 }
 
 /// The one-token output projection's fused form adds the same sums as the
-/// GEMV with accumulate, and writes the new residual as BF16 and, given the
-/// next norm's weights, times them as BF16.
+/// GEMV with accumulate, and writes the new residual as BF16.
 #[test]
-fn gemv_residual_adds_what_the_gemv_adds_and_writes_the_norm_input() {
+fn gemv_residual_adds_what_the_gemv_adds_and_writes_the_bf16_residual() {
     let Some(gpu) = gpu() else { return };
     for (rows, cols) in [(384, 384), (1001, 5000)] {
         let w = gpu.upload(&to_bf16(&values(rows * cols, 51))).unwrap();
         let x = gpu.upload(&to_bf16(&values(cols, 52))).unwrap();
         let y0 = values(rows, 53);
-        let norm_w: Vec<f32> = values(rows, 54).iter().map(|v| 1.0 + 0.5 * v).collect();
-        let dnorm = gpu.upload(&norm_w).unwrap();
         let (w_p, x_p) = (gpu.ptr(&w, 0), gpu.ptr(&x, 0));
         let ya = gpu.upload(&y0).unwrap();
         gpu.gemv_bf16(w_p, x_p, gpu.ptr(&ya, 0), 1, rows, cols, true)
             .unwrap();
         let want = gpu.download(&ya, rows).unwrap();
         assert_ne!(want, y0, "{rows} x {cols}: y was added to");
-        let want_scaled: Vec<f32> = want.iter().zip(&norm_w).map(|(v, g)| v * g).collect();
-        for with_norm in [true, false] {
-            let yb = gpu.upload(&y0).unwrap();
-            let (residual, scaled) = (
-                gpu.alloc::<u16>(rows).unwrap(),
-                gpu.upload(&vec![7u16; rows]).unwrap(),
-            );
-            let next = layers::NormInput {
-                scaled: gpu.ptr(&scaled, 0),
-                residual: gpu.ptr(&residual, 0),
-            };
-            let norm_p = if with_norm { gpu.ptr(&dnorm, 0) } else { 0 };
-            layers::gemv_residual(&gpu, w_p, x_p, gpu.ptr(&yb, 0), rows, cols, norm_p, next)
-                .unwrap();
-            assert_eq!(gpu.download(&yb, rows).unwrap(), want, "{rows} x {cols}: y");
-            assert_eq!(
-                gpu.download(&residual, rows).unwrap(),
-                to_bf16(&want),
-                "residual"
-            );
-            let scaled = gpu.download(&scaled, rows).unwrap();
-            if with_norm {
-                assert_eq!(scaled, to_bf16(&want_scaled), "{rows} x {cols}: scaled");
-            } else {
-                assert_eq!(scaled, vec![7u16; rows], "no norm: scaled untouched");
-            }
-        }
+        let yb = gpu.upload(&y0).unwrap();
+        let y_bf16 = gpu.alloc::<u16>(rows).unwrap();
+        layers::gemv_residual(
+            &gpu,
+            w_p,
+            x_p,
+            gpu.ptr(&yb, 0),
+            rows,
+            cols,
+            gpu.ptr(&y_bf16, 0),
+        )
+        .unwrap();
+        assert_eq!(gpu.download(&yb, rows).unwrap(), want, "{rows} x {cols}: y");
+        assert_eq!(
+            gpu.download(&y_bf16, rows).unwrap(),
+            to_bf16(&want),
+            "{rows} x {cols}: y as BF16"
+        );
     }
 }
 
