@@ -10,8 +10,10 @@
 // Grid: (item, KV head, split). A block takes the query heads that share its KV
 // head (GQA) for every query token of its item. Decode launches (one query
 // token per item, `attention_decode_mma_*`: K and V read straight into
-// tensor-core fragments) split the keys across blocks (flash-decoding) and
-// `attention_combine` merges the splits; prefill launches
+// tensor-core fragments) split the keys across blocks (flash-decoding), and
+// the splits merge inside a cluster of the split blocks
+// (`attention_decode_cluster_*`, up to 16 splits) or in `attention_combine`
+// after; prefill launches
 // (`attention_prefill_*`: R = n_q * group rows, at most MAXR, K and V tiles in
 // shared memory) use items of several query tokens and one split.
 //
@@ -169,12 +171,14 @@ __device__ __forceinline__ void attention_tile_loop(
 
 // The end of a decode block: its warps' (m, l, acc) of each of the group's
 // heads, in shared memory, merged in warp order, then written as the output
-// (one split) or as this split's partials for attention_combine.
-template <int HD, int G, int WARPS>
+// (one split), as this split's partials for attention_combine, or (CLUSTER)
+// into cl_ml / cl_acc in this block's shared memory for decode_merge_cluster.
+template <int HD, int G, int WARPS, bool CLUSTER>
 __device__ __forceinline__ void decode_merge_warps(const float (*sm_m)[G], const float (*sm_l)[G],
                                                    const float (*sm_acc)[G][HD], int group, int q_row, int kvh,
                                                    int split, int n_heads, int n_splits, bf16* __restrict__ out,
-                                                   float* __restrict__ part_acc, float* __restrict__ part_ml) {
+                                                   float* __restrict__ part_acc, float* __restrict__ part_ml,
+                                                   float (*cl_ml)[2], float (*cl_acc)[HD]) {
     const int q_dim = n_heads * HD;
     for (int i = threadIdx.x; i < group * HD; i += blockDim.x) {
         const int g = i / HD, d = i % HD;
@@ -190,7 +194,13 @@ __device__ __forceinline__ void decode_merge_warps(const float (*sm_m)[G], const
             }
         }
         const int head = kvh * group + g;
-        if (n_splits == 1) {
+        if (CLUSTER) {
+            cl_acc[g][d] = a;
+            if (d == 0) {
+                cl_ml[g][0] = mx;
+                cl_ml[g][1] = lsum;
+            }
+        } else if (n_splits == 1) {
             out[(u64)q_row * q_dim + head * HD + d] = f32_to_bf16(lsum > 0.0f ? a / lsum : 0.0f);
         } else {
             const u64 at = ((u64)q_row * n_heads + head) * n_splits + split;
@@ -201,6 +211,56 @@ __device__ __forceinline__ void decode_merge_warps(const float (*sm_m)[G], const
             }
         }
     }
+}
+
+// Up to this many splits merge in one cluster (16: a non-portable cluster
+// size, which Hopper and Blackwell allow; keep in step with model.rs).
+constexpr int MAX_CLUSTER_SPLITS = 16;
+
+// A decode launch whose splits of an (item, KV head) are the blocks of one
+// cluster (rank = split): each block left its (m, l, acc) in its shared
+// memory (decode_merge_warps); after a cluster barrier, block `split` merges
+// every n_splits-th output of the group's heads, out = sum_s acc_s w_s /
+// sum_s l_s w_s with w_s = e^(m_s - max m), reading the other blocks' shared
+// memory, and writes it; a second barrier keeps each block's shared memory
+// alive until the others are done with it. No partials through global
+// memory and no combine launch (2.8 us a layer at batch 1). Fast numerics
+// only: the plan never asks for it under the batch-invariant split (its
+// 8-warp blocks sum a split's keys in another order than the 4-warp kernel
+// that attention_combine follows).
+template <int HD>
+__device__ __forceinline__ void decode_merge_cluster(float (*cl_ml)[2], float (*cl_acc)[HD], int group, int q_row,
+                                                     int kvh, int split, int n_heads, int n_splits,
+                                                     bf16* __restrict__ out) {
+    cluster_sync();
+    const u32 ml_at = smem_u32(cl_ml), acc_at = smem_u32(cl_acc);
+    for (int i = split * blockDim.x + threadIdx.x; i < group * HD; i += n_splits * blockDim.x) {
+        const int g = i / HD, d = i % HD;
+        float m_s[MAX_CLUSTER_SPLITS], l_s[MAX_CLUSTER_SPLITS], acc_s[MAX_CLUSTER_SPLITS];
+        float max_m = NEG_INF;
+#pragma unroll
+        for (int s = 0; s < MAX_CLUSTER_SPLITS; s++) {
+            if (s < n_splits) {
+                m_s[s] = ld_cluster(cluster_map(ml_at + 8 * g, s));
+                l_s[s] = ld_cluster(cluster_map(ml_at + 8 * g + 4, s));
+                acc_s[s] = ld_cluster(cluster_map(acc_at + 4 * (g * HD + d), s));
+            }
+        }
+#pragma unroll
+        for (int s = 0; s < MAX_CLUSTER_SPLITS; s++)
+            if (s < n_splits) max_m = fmaxf(max_m, m_s[s]);
+        float l = 0.0f, a = 0.0f;
+#pragma unroll
+        for (int s = 0; s < MAX_CLUSTER_SPLITS; s++) {
+            if (s < n_splits && m_s[s] != NEG_INF) {
+                const float w = expf(m_s[s] - max_m);
+                l += l_s[s] * w;
+                a += acc_s[s] * w;
+            }
+        }
+        out[(u64)q_row * n_heads * HD + (kvh * group + g) * HD + d] = f32_to_bf16(l > 0.0f ? a / l : 0.0f);
+    }
+    cluster_sync();
 }
 
 // Decode on the tensor cores (mma.sync m16n8k16, BF16 in, f32 out): one
@@ -227,9 +287,9 @@ __device__ __forceinline__ void decode_merge_warps(const float (*sm_m)[G], const
 // the CUDA-core kernel this replaced (a key a lane, scores against Q in
 // shared memory, P.V by shuffles) issued ~800 dependent FMAs and shuffles,
 // which bound it at batch 1 (BENCHMARKS.md).
-template <int HD>
+template <int HD, int WARPS, bool CLUSTER>
 __device__ __forceinline__ void attention_decode_mma(ATTN_ARGS) {
-    constexpr int WARPS = 4, G = 8;
+    constexpr int G = 8;
     constexpr int DL = HD / 4;   // dims a quad position covers
     constexpr int KS = HD / 16;  // k-steps of S^T, and m-tiles of O^T
     constexpr int VJ = DL / 8;   // 16-byte words of a row a lane loads
@@ -364,18 +424,34 @@ __device__ __forceinline__ void attention_decode_mma(ATTN_ARGS) {
                 sm_acc[warp][2 * t + 1][d] = o[j][pp][2 * r + 1];
             }
     __syncthreads();
-    decode_merge_warps<HD, G, WARPS>(sm_m, sm_l, sm_acc, group, q_row, kvh, split, n_heads, n_splits, out, part_acc,
-                                     part_ml);
+    __shared__ float cl_ml[CLUSTER ? G : 1][2];
+    __shared__ float cl_acc[CLUSTER ? G : 1][HD];
+    decode_merge_warps<HD, G, WARPS, CLUSTER>(sm_m, sm_l, sm_acc, group, q_row, kvh, split, n_heads, n_splits, out,
+                                              part_acc, part_ml, cl_ml, cl_acc);
+    if (CLUSTER) decode_merge_cluster<HD>(cl_ml, cl_acc, group, q_row, kvh, split, n_heads, n_splits, out);
 }
 
 // Groups of up to 8 query heads a KV head.
 extern "C" __global__ void __launch_bounds__(128) attention_decode_mma_hd64(ATTN_ARGS) {
     wait_for_previous_kernels();
-    attention_decode_mma<64>(ATTN_PASS);
+    attention_decode_mma<64, 4, false>(ATTN_PASS);
 }
 extern "C" __global__ void __launch_bounds__(128) attention_decode_mma_hd128(ATTN_ARGS) {
     wait_for_previous_kernels();
-    attention_decode_mma<128>(ATTN_PASS);
+    attention_decode_mma<128, 4, false>(ATTN_PASS);
+}
+// The same with 8 warps, launched in clusters of the n_splits blocks of an
+// (item, KV head), 2 <= n_splits <= MAX_CLUSTER_SPLITS: the splits merge
+// inside the cluster (decode_merge_cluster), with no attention_combine
+// after. 8 warps, so that a split of 128 keys (the plan's for short
+// sequences, which fewer splits must cover) is one 16-key step a warp.
+extern "C" __global__ void __launch_bounds__(256) attention_decode_cluster_hd64(ATTN_ARGS) {
+    wait_for_previous_kernels();
+    attention_decode_mma<64, 8, true>(ATTN_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) attention_decode_cluster_hd128(ATTN_ARGS) {
+    wait_for_previous_kernels();
+    attention_decode_mma<128, 8, true>(ATTN_PASS);
 }
 // Prefill: up to 64 rows (query tokens x query heads of a KV head) per item.
 extern "C" __global__ void __launch_bounds__(256) attention_prefill_hd64(ATTN_ARGS) {

@@ -116,6 +116,31 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src, int bytes)
     cp_async4_shared(smem_u32(dst), src, bytes);
 }
 
+// Thread block clusters (compute capability 9.0 on). cluster_sync: every
+// thread of every block of the cluster arrives, and waits for all (release /
+// acquire: shared-memory writes before it are visible to the cluster's reads
+// after it). cluster_map: this block's shared address a, as the same address
+// in block `rank`'s shared memory, for ld_cluster.
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ u32 cluster_map(u32 a, u32 rank) {
+    u32 r = a;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+#endif
+    return r;
+}
+__device__ __forceinline__ float ld_cluster(u32 a) {
+    float v = 0.0f;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a));
+#endif
+    return v;
+}
+
 // Shared loads from a shared address.
 __device__ __forceinline__ uint4 lds128(u32 a) {
     uint4 v;

@@ -136,7 +136,7 @@ __device__ __forceinline__ void gemv(const bf16* __restrict__ w, const bf16* __r
 // Rows per block: N=1: 2, N=2: 4, N=4: 4, N=8: 8 (keep in step with device.rs).
 #define GEMV_ARGS const bf16 *__restrict__ w, const bf16 *__restrict__ x, float *__restrict__ y, int n, int rows, \
                   int cols, int accumulate
-extern "C" __global__ void __launch_bounds__(128) gemv_bf16_n1(GEMV_ARGS) {
+extern "C" __global__ void __launch_bounds__(128, 10) gemv_bf16_n1(GEMV_ARGS) {
     wait_for_previous_kernels();
     gemv<1, 2, 4>(w, x, y, n, rows, cols, accumulate);
 }
@@ -156,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(128) gemv_bf16_n8(GEMV_ARGS) {
 // One token: y += W x, and the new y as BF16 (y_bf16) for the fused input
 // projection after it. An output projection, o or down, at batch 1; y and
 // the sums are those of gemv_bf16_n1 with accumulate. Grid: rows / 2 blocks.
-extern "C" __global__ void __launch_bounds__(128) gemv_residual_n1(const bf16* __restrict__ w,
+extern "C" __global__ void __launch_bounds__(128, 10) gemv_residual_n1(const bf16* __restrict__ w,
                                                                    const bf16* __restrict__ x, float* __restrict__ y,
                                                                    int rows, int cols, bf16* __restrict__ y_bf16) {
     wait_for_previous_kernels();
@@ -176,7 +176,7 @@ extern "C" __global__ void __launch_bounds__(128) gemv_residual_n1(const bf16* _
 // in. The QKV projection, a block taking one adjacent pair of rows, which
 // RoPE rotates together (rope_kv_pair): Q to q_out, K and V into the token's
 // cache slot. Grid: rows / 2 blocks.
-extern "C" __global__ void __launch_bounds__(128) gemv_norm_rope_n1(
+extern "C" __global__ void __launch_bounds__(128, 10) gemv_norm_rope_n1(
     const bf16* __restrict__ w, const bf16* __restrict__ x, float eps, int rows, int cols,
     const int* __restrict__ positions, const int* __restrict__ slots, bf16* __restrict__ q_out,
     bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, int n_heads, int n_kv_heads, int head_dim, float theta) {
@@ -195,7 +195,7 @@ extern "C" __global__ void __launch_bounds__(128) gemv_norm_rope_n1(
 // One token, as above: RMSNorm, then gate row b and up row ffn + b of the
 // stacked [gate | up] weights in block b, out[b] = bf16(silu(gate) * up).
 // Grid: ffn blocks.
-extern "C" __global__ void __launch_bounds__(128) gemv_norm_swiglu_n1(const bf16* __restrict__ w,
+extern "C" __global__ void __launch_bounds__(128, 10) gemv_norm_swiglu_n1(const bf16* __restrict__ w,
                                                                       const bf16* __restrict__ x, float eps, int ffn,
                                                                       int cols, bf16* __restrict__ out) {
     wait_for_previous_kernels();

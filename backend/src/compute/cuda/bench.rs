@@ -143,13 +143,7 @@ pub fn attention_sweep(
         (Numerics::BatchInvariant, "batch-invariant"),
         (Numerics::Fast, "fast"),
     ] {
-        let policy = match numerics {
-            Numerics::BatchInvariant => SplitPolicy::Fixed,
-            Numerics::Fast => SplitPolicy::FillGpu {
-                sm_count: gpu.sm_count,
-                n_kv_heads: c.n_kv_heads,
-            },
-        };
+        let policy = SplitPolicy::for_numerics(numerics, &gpu, c.n_kv_heads);
         let plan = StepPlan::new(&chunks, bs, c.n_heads / c.n_kv_heads, policy);
         let ws = ex.workspace_mut();
         ws.reserve(&gpu, &c, batch, batch, plan.decode_splits)?;

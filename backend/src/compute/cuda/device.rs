@@ -84,6 +84,9 @@ pub struct Gpu {
     /// from compute capability 9.0, off with `SLUICE_PDL=0` or
     /// `set_dependent_launch(false)` (to measure what it gives).
     dependent_launch: AtomicBool,
+    /// Thread block clusters (`launch_cluster`): from compute capability
+    /// 9.0 on, off with `SLUICE_CLUSTERS=0` (to measure what they give).
+    clusters: bool,
     /// True while `capture` records: launches inside decode graphs are plain
     /// (programmatic edges there measured 2% slower at batch 1).
     capturing: AtomicBool,
@@ -152,6 +155,7 @@ impl Gpu {
             blas,
             functions,
             capturing: AtomicBool::new(false),
+            clusters: major >= 9 && std::env::var("SLUICE_CLUSTERS").map_or(true, |v| v != "0"),
             dependent_launch: AtomicBool::new(
                 major >= 9 && std::env::var("SLUICE_PDL").map_or(true, |v| v != "0"),
             ),
@@ -297,6 +301,36 @@ impl Gpu {
         config: LaunchConfig,
         args: &[&dyn KernelArg],
     ) -> Result<(), GpuError> {
+        self.launch_with(name, config, None, args)
+    }
+
+    /// Whether the GPU runs thread block clusters of up to 16 blocks
+    /// (compute capability 9.0 on), for `launch_cluster`.
+    pub fn has_clusters(&self) -> bool {
+        self.clusters
+    }
+
+    /// `launch`, with the grid in clusters of `cluster` blocks (x, y, z;
+    /// each a divisor of the grid's; at most 16 blocks in all, where
+    /// `has_clusters`): a cluster's blocks run at once and read each other's
+    /// shared memory.
+    pub fn launch_cluster(
+        &self,
+        name: &str,
+        config: LaunchConfig,
+        cluster: (u32, u32, u32),
+        args: &[&dyn KernelArg],
+    ) -> Result<(), GpuError> {
+        self.launch_with(name, config, Some(cluster), args)
+    }
+
+    fn launch_with(
+        &self,
+        name: &str,
+        config: LaunchConfig,
+        cluster: Option<(u32, u32, u32)>,
+        args: &[&dyn KernelArg],
+    ) -> Result<(), GpuError> {
         use cudarc::driver::sys;
         let f = self.function(name);
         opt_in_shared(f, config.shared_mem_bytes)?;
@@ -304,10 +338,28 @@ impl Gpu {
         let mut params: Vec<*mut c_void> = args.iter().map(|a| a.as_param()).collect();
         // SAFETY: a zeroed attribute is a valid "ignore" value; the fields
         // set are the ones the attribute id names.
-        let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attribute.id =
-            sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attribute.value.programmaticStreamSerializationAllowed = 1;
+        let mut attributes: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut count = 0;
+        if let Some((x, y, z)) = cluster {
+            if x * y * z > 8 {
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                    1,
+                )?;
+            }
+            let a = &mut attributes[count];
+            a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            a.value.clusterDim.x = x;
+            a.value.clusterDim.y = y;
+            a.value.clusterDim.z = z;
+            count += 1;
+        }
+        if self.dependent_launch() && !self.capturing.load(Ordering::Relaxed) {
+            let a = &mut attributes[count];
+            a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            a.value.programmaticStreamSerializationAllowed = 1;
+            count += 1;
+        }
         let launch = sys::CUlaunchConfig {
             gridDimX: config.grid_dim.0,
             gridDimY: config.grid_dim.1,
@@ -317,8 +369,8 @@ impl Gpu {
             blockDimZ: config.block_dim.2,
             sharedMemBytes: config.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: &mut attribute,
-            numAttrs: u32::from(self.dependent_launch() && !self.capturing.load(Ordering::Relaxed)),
+            attrs: attributes.as_mut_ptr(),
+            numAttrs: count as u32,
         };
         // SAFETY: the kernel's parameters are, in order, the values in
         // `params` (each points at a live u64, i32, u32 or f32 for the
@@ -585,6 +637,8 @@ mod tests {
             [
                 "attention_decode_mma_hd64",
                 "attention_decode_mma_hd128",
+                "attention_decode_cluster_hd64",
+                "attention_decode_cluster_hd128",
                 "attention_prefill_hd64",
                 "attention_prefill_hd128",
                 "attention_combine"

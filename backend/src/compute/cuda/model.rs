@@ -15,7 +15,8 @@ use std::sync::Arc;
 use cudarc::driver::{CudaGraph, CudaSlice};
 
 use super::device::{
-    DevPtr, GEMM_ROW_TILE, Gpu, GpuError, capture_broken_by_another_thread, elementwise, grid,
+    DevPtr, GEMM_ROW_TILE, Gpu, GpuError, KernelArg, capture_broken_by_another_thread, elementwise,
+    grid,
 };
 use super::fp4::{
     FP4_COLS_MULTIPLE, FP4_GEMM_MAX_TOKENS, FP4_GEMV_MAX_TOKENS, Fp4Weights, SumOrder,
@@ -421,13 +422,7 @@ impl CudaLlama {
         let gpu = &*self.gpu;
         gpu.bind()?;
         let group = c.n_heads / c.n_kv_heads;
-        let splits = match ws.numerics {
-            Numerics::BatchInvariant => SplitPolicy::Fixed,
-            Numerics::Fast => SplitPolicy::FillGpu {
-                sm_count: gpu.sm_count,
-                n_kv_heads: c.n_kv_heads,
-            },
-        };
+        let splits = SplitPolicy::for_numerics(ws.numerics, gpu, c.n_kv_heads);
         let plan = StepPlan::new(chunks, kv.block_size, group, splits);
         let n = plan.tokens.len();
         let m = plan.logit_rows.len();
@@ -641,50 +636,57 @@ pub(crate) fn launch_attention(
     let scale = 1.0 / (hd as f32).sqrt();
     // The kernels' parameters (ATTN_ARGS in attention.cu), in order.
     let launch = |name: String, items: DevPtr, count: usize, splits: usize, per_split: DevPtr| {
-        // Decode kernels: 4 warps, static shared memory only.
-        let (threads, smem) = if name.contains("decode") {
+        // Decode kernels: 4 warps (8 in clusters), static shared memory only.
+        let (threads, smem) = if name.contains("cluster") {
+            (256, 0)
+        } else if name.contains("decode") {
             (128, 0)
         } else {
             (256, attention_smem(hd, PREFILL_ROWS))
         };
+        let config = grid(
+            (count as u32, c.n_kv_heads as u32, splits as u32),
+            threads,
+            smem,
+        );
+        // The cluster kernels: one cluster a (item, KV head), its splits.
+        let cluster = name.contains("cluster").then_some((1, 1, splits as u32));
         let splits = splits as i32;
-        gpu.launch(
-            &name,
-            grid(
-                (count as u32, c.n_kv_heads as u32, splits as u32),
-                threads,
-                smem,
-            ),
-            &[
-                &q,
-                &k_cache,
-                &v_cache,
-                &meta.tables,
-                &max_blocks,
-                &block_size,
-                &items,
-                &n_heads,
-                &n_kv_heads,
-                &scale,
-                &splits,
-                &per_split,
-                &out,
-                &part_acc,
-                &part_ml,
-            ],
-        )
+        let args: [&dyn KernelArg; 15] = [
+            &q,
+            &k_cache,
+            &v_cache,
+            &meta.tables,
+            &max_blocks,
+            &block_size,
+            &items,
+            &n_heads,
+            &n_kv_heads,
+            &scale,
+            &splits,
+            &per_split,
+            &out,
+            &part_acc,
+            &part_ml,
+        ];
+        match cluster {
+            Some(cluster) => gpu.launch_cluster(&name, config, cluster, &args),
+            None => gpu.launch(&name, config, &args),
+        }
     };
     let decode_items = plan.decode_items.len() / 4;
     if decode_items > 0 {
         let splits = plan.decode_splits;
+        let in_clusters = plan.decode_in_clusters;
+        let kernel = if in_clusters { "cluster" } else { "mma" };
         launch(
-            format!("attention_decode_mma_hd{hd}"),
+            format!("attention_decode_{kernel}_hd{hd}"),
             meta.decode_items,
             decode_items,
             splits,
             meta.decode_keys_per_split,
         )?;
-        if splits > 1 {
+        if splits > 1 && !in_clusters {
             gpu.launch(
                 "attention_combine",
                 grid((decode_items as u32, c.n_heads as u32, 1), hd as u32, 0),

@@ -6,6 +6,7 @@
 use cudarc::driver::CudaSlice;
 
 use super::device::{DevPtr, Gpu, GpuError};
+use super::model::Numerics;
 use crate::model::{Logits, SeqChunk};
 
 /// Query heads per KV head the decode kernels take (more go through the
@@ -19,6 +20,9 @@ pub(crate) const KEY_TILE: usize = 64;
 /// sequence's attention is summed in the same order whatever else is in the
 /// batch (batch invariance).
 pub(crate) const KEYS_PER_SPLIT: usize = 256;
+/// Most splits of a decode launch that merge inside one thread block cluster
+/// (`attention_decode_cluster_*`; MAX_CLUSTER_SPLITS in attention.cu).
+pub(crate) const MAX_CLUSTER_SPLITS: usize = 16;
 
 /// Where each index array of a step landed on the device.
 pub(crate) struct MetaPtrs {
@@ -42,8 +46,32 @@ pub(crate) struct MetaPtrs {
 pub(crate) enum SplitPolicy {
     /// Every KEYS_PER_SPLIT keys (batch-invariant).
     Fixed,
-    /// Into as many splits as fill the GPU for this batch.
-    FillGpu { sm_count: u32, n_kv_heads: usize },
+    /// Into as many splits as fill the GPU for this batch; with
+    /// `cluster_splits` (0 for none), a sequence of at most twice that many
+    /// tiles into at most that many splits, which merge in one cluster.
+    FillGpu {
+        sm_count: u32,
+        n_kv_heads: usize,
+        cluster_splits: usize,
+    },
+}
+
+impl SplitPolicy {
+    /// The policy of `numerics` on `gpu`, for a model of `n_kv_heads`.
+    pub(crate) fn for_numerics(numerics: Numerics, gpu: &Gpu, n_kv_heads: usize) -> SplitPolicy {
+        match numerics {
+            Numerics::BatchInvariant => SplitPolicy::Fixed,
+            Numerics::Fast => SplitPolicy::FillGpu {
+                sm_count: gpu.sm_count,
+                n_kv_heads,
+                cluster_splits: if gpu.has_clusters() {
+                    MAX_CLUSTER_SPLITS
+                } else {
+                    0
+                },
+            },
+        }
+    }
 }
 
 /// A step's batch, laid out for the kernels (host side).
@@ -63,6 +91,10 @@ pub(crate) struct StepPlan {
     pub prefill_items: Vec<i32>,
     pub decode_splits: usize,
     pub decode_keys_per_split: usize,
+    /// The decode splits merge inside thread block clusters (FillGpu with
+    /// `cluster_splits`, 2 to that many splits) rather than in
+    /// `attention_combine`.
+    pub decode_in_clusters: bool,
     /// Token rows whose logits are wanted, in chunk order.
     pub logit_rows: Vec<i32>,
     pub logits_per_chunk: Vec<usize>,
@@ -140,14 +172,24 @@ impl StepPlan {
             SplitPolicy::FillGpu {
                 sm_count,
                 n_kv_heads,
+                cluster_splits,
             } => {
                 let blocks = (p.decode_rows.len() * n_kv_heads).max(1);
-                let wanted = (2 * sm_count as usize).div_ceil(blocks).clamp(1, 32);
+                let mut wanted = (2 * sm_count as usize).div_ceil(blocks).clamp(1, 32);
+                // Short sequences: two tiles a block and no combine launch
+                // beat one tile a block and a combine (1,088 keys at batch 1
+                // on the H200: 9 splits in clusters against 17 and a
+                // combine; BENCHMARKS.md).
+                if cluster_splits > 1 && tiles <= 2 * cluster_splits {
+                    wanted = wanted.min(cluster_splits);
+                }
                 tiles.div_ceil(wanted)
             }
         };
         p.decode_keys_per_split = per_split_tiles * KEY_TILE;
         p.decode_splits = tiles.div_ceil(per_split_tiles);
+        p.decode_in_clusters = matches!(splits, SplitPolicy::FillGpu { cluster_splits, .. }
+            if (2..=cluster_splits).contains(&p.decode_splits));
         p
     }
 
@@ -283,10 +325,54 @@ mod tests {
         let fill = SplitPolicy::FillGpu {
             sm_count: 132,
             n_kv_heads: 8,
+            cluster_splits: 0,
         };
         let p = StepPlan::new(&chunks, 16, 4, fill);
         assert_eq!((p.decode_splits, p.decode_keys_per_split), (16, 64));
         let p = StepPlan::new(&many, 16, 4, fill);
         assert_eq!((p.decode_splits, p.decode_keys_per_split), (1, 1024));
+        // 1,089 keys (18 tiles): 18 splits of one tile, or, where splits
+        // merge in clusters of 16, 9 of two; 2,113 keys (34 tiles) are past
+        // the clusters' reach and keep 32-way splits (of two tiles).
+        let long_table: Vec<u32> = (0..160).collect();
+        let longer = |start| {
+            [SeqChunk {
+                start,
+                block_table: &long_table,
+                ..chunks[1]
+            }]
+        };
+        let clustered = SplitPolicy::FillGpu {
+            sm_count: 132,
+            n_kv_heads: 8,
+            cluster_splits: MAX_CLUSTER_SPLITS,
+        };
+        let split = |p: StepPlan| {
+            (
+                p.decode_splits,
+                p.decode_keys_per_split,
+                p.decode_in_clusters,
+            )
+        };
+        assert_eq!(
+            split(StepPlan::new(&longer(1088), 16, 4, fill)),
+            (18, 64, false)
+        );
+        assert_eq!(
+            split(StepPlan::new(&longer(1088), 16, 4, clustered)),
+            (9, 128, true)
+        );
+        assert_eq!(
+            split(StepPlan::new(&longer(2112), 16, 4, clustered)),
+            (17, 128, false)
+        );
+        assert_eq!(
+            split(StepPlan::new(&chunks, 16, 4, clustered)),
+            (16, 64, true)
+        );
+        assert_eq!(
+            split(StepPlan::new(&many, 16, 4, clustered)),
+            (1, 1024, false)
+        );
     }
 }

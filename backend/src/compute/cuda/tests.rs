@@ -12,7 +12,7 @@ use half::bf16;
 
 use super::device::Gpu;
 use super::layers;
-use super::model::{CudaKvCache, Workspace, launch_attention};
+use super::model::{CudaKvCache, Numerics, Workspace, launch_attention};
 use super::plan::{SplitPolicy, StepPlan};
 use crate::compute::cpu::{Matrix, Weight, dot, rms_norm, rope, rope_table, silu, softmax};
 use crate::model::{LlamaConfig, Logits, SeqChunk};
@@ -581,59 +581,101 @@ fn paged_attention_matches_the_cpu_for_decode_and_prefill() {
                 logits: Logits::Last,
             },
         ];
-        let plan = StepPlan::new(
-            &chunks,
-            block_size,
-            n_heads / n_kv_heads,
-            SplitPolicy::Fixed,
-        );
+        let group = n_heads / n_kv_heads;
+        let plan = StepPlan::new(&chunks, block_size, group, SplitPolicy::Fixed);
         assert_eq!(
             plan.decode_splits, 67,
             "the decode at 17,000 in 256-key splits"
         );
-        let n = plan.tokens.len();
-        let q_host = from_bf16(&to_bf16(&values(n * c.q_dim(), 13)));
-        let dq = gpu.upload(&to_bf16(&q_host)).unwrap();
-        let out = gpu.alloc::<u16>(n * c.q_dim()).unwrap();
-        let mut ws = Workspace::new(&gpu).unwrap();
-        ws.reserve(&gpu, &c, n, 1, plan.decode_splits).unwrap();
-        let mut meta_buf = gpu.alloc::<i32>(1).unwrap();
-        let meta = plan.upload(&gpu, &mut meta_buf).unwrap();
-        let (k_cache, v_cache) = kv.layer(&gpu, 0);
-        launch_attention(
+        check_attention(
             &gpu,
             &c,
-            &ws,
+            &kv,
             &plan,
-            &meta,
-            gpu.ptr(&dq, 0),
-            k_cache,
-            v_cache,
-            gpu.ptr(&out, 0),
-        )
-        .unwrap();
-        let got = from_bf16(&gpu.download(&out, n * c.q_dim()).unwrap());
-        let mut worst = 0.0f32;
-        for t in 0..n {
-            let pos = plan.positions[t] as usize;
-            let table: &[u32] = match t {
-                0..70 => &t0,
-                70 => &t1,
-                71 => &t0,
-                _ => &t_long,
-            };
-            let q_row = &q_host[t * c.q_dim()..(t + 1) * c.q_dim()];
-            let want = reference_attention(&c, q_row, &k_host, &v_host, table, block_size, pos);
-            for (g, w) in got[t * c.q_dim()..(t + 1) * c.q_dim()].iter().zip(&want) {
-                worst = worst.max((g - w).abs());
-            }
-        }
-        eprintln!("attention hd{head_dim} {n_heads}/{n_kv_heads}: max abs error {worst:e}");
-        assert!(
-            worst < 1e-2,
-            "attention hd{head_dim}: max abs error {worst}"
+            &[&t0, &t1, &t0, &t_long],
+            &k_host,
+            &v_host,
         );
+        // Without it: 5 splits of 256 keys (Fixed), merged by
+        // attention_combine, and, filling the GPU, 10 of 128 that merge
+        // inside clusters where the GPU has them (19 of 64 where not).
+        let fill = SplitPolicy::for_numerics(Numerics::Fast, &gpu, n_kv_heads);
+        let clusters = gpu.has_clusters();
+        let fill_splits = if clusters { 10 } else { 19 };
+        for (policy, split) in [
+            (SplitPolicy::Fixed, (5, false)),
+            (fill, (fill_splits, clusters)),
+        ] {
+            let plan = StepPlan::new(&chunks[..3], block_size, group, policy);
+            assert_eq!(
+                (plan.decode_splits, plan.decode_in_clusters),
+                split,
+                "{policy:?}"
+            );
+            check_attention(&gpu, &c, &kv, &plan, &[&t0, &t1, &t0], &k_host, &v_host);
+        }
     }
+}
+
+/// `launch_attention` of `plan` (its chunks' block tables in `tables`, one
+/// per chunk; K and V of layer 0 as `k_host`, `v_host`) against
+/// `reference_attention`, within 1e-2.
+fn check_attention(
+    gpu: &Arc<Gpu>,
+    c: &LlamaConfig,
+    kv: &CudaKvCache,
+    plan: &StepPlan,
+    tables: &[&[u32]],
+    k_host: &[f32],
+    v_host: &[f32],
+) {
+    let (head_dim, block_size) = (c.head_dim, kv.block_size);
+    let n = plan.tokens.len();
+    let q_host = from_bf16(&to_bf16(&values(n * c.q_dim(), 13)));
+    let dq = gpu.upload(&to_bf16(&q_host)).unwrap();
+    let out = gpu.alloc::<u16>(n * c.q_dim()).unwrap();
+    let mut ws = Workspace::new(gpu).unwrap();
+    ws.reserve(gpu, c, n, 1, plan.decode_splits).unwrap();
+    let mut meta_buf = gpu.alloc::<i32>(1).unwrap();
+    let meta = plan.upload(gpu, &mut meta_buf).unwrap();
+    let (k_cache, v_cache) = kv.layer(gpu, 0);
+    launch_attention(
+        gpu,
+        c,
+        &ws,
+        plan,
+        &meta,
+        gpu.ptr(&dq, 0),
+        k_cache,
+        v_cache,
+        gpu.ptr(&out, 0),
+    )
+    .unwrap();
+    let got = from_bf16(&gpu.download(&out, n * c.q_dim()).unwrap());
+    // The first chunk is a prefill, the others one decode token each.
+    let prefill_len = n - (tables.len() - 1);
+    let mut worst = 0.0f32;
+    for t in 0..n {
+        let pos = plan.positions[t] as usize;
+        let table = tables[if t < prefill_len {
+            0
+        } else {
+            t + 1 - prefill_len
+        }];
+        let q_row = &q_host[t * c.q_dim()..(t + 1) * c.q_dim()];
+        let want = reference_attention(c, q_row, k_host, v_host, table, block_size, pos);
+        for (g, w) in got[t * c.q_dim()..(t + 1) * c.q_dim()].iter().zip(&want) {
+            worst = worst.max((g - w).abs());
+        }
+    }
+    let (n_heads, n_kv_heads, splits) = (c.n_heads, c.n_kv_heads, plan.decode_splits);
+    eprintln!(
+        "attention hd{head_dim} {n_heads}/{n_kv_heads}, {splits} splits: max abs error {worst:e}"
+    );
+    assert!(
+        worst < 1e-2,
+        "attention hd{head_dim}, {splits} splits: max abs error {worst}"
+    );
 }
 
 /// The FP4 GEMV (MXFP4 and NVFP4) against the CPU reference's dequantized
