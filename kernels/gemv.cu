@@ -5,6 +5,11 @@
 // comes from L1. cols must be a multiple of 8. This is also the shape the FP4
 // kernels take (dequantize in registers, then the same sums).
 //
+// The one-token kernels ask for 10 blocks an SM (`__launch_bounds__(128,
+// 10)`: at most 48 registers, from 56-72, with no spills in the hot loops):
+// +0.1-0.4 points of the roofline at batch 1; 8 was 0.4-0.8 slower and 12
+// spills (BENCHMARKS.md).
+//
 // The fused one-token kernels at the end take a layer's two input projections
 // with what comes before and after them: the RMSNorm in front, and RoPE with
 // the KV write (`gemv_norm_rope_n1`, QKV) or SwiGLU (`gemv_norm_swiglu_n1`,
