@@ -636,8 +636,10 @@ pub(crate) fn launch_attention(
     let scale = 1.0 / (hd as f32).sqrt();
     // The kernels' parameters (ATTN_ARGS in attention.cu), in order.
     let launch = |name: String, items: DevPtr, count: usize, splits: usize, per_split: DevPtr| {
+        // The cluster kernels: one cluster a (item, KV head), its splits.
+        let in_clusters = name.contains("cluster");
         // Decode kernels: 4 warps (8 in clusters), static shared memory only.
-        let (threads, smem) = if name.contains("cluster") {
+        let (threads, smem) = if in_clusters {
             (256, 0)
         } else if name.contains("decode") {
             (128, 0)
@@ -649,8 +651,7 @@ pub(crate) fn launch_attention(
             threads,
             smem,
         );
-        // The cluster kernels: one cluster a (item, KV head), its splits.
-        let cluster = name.contains("cluster").then_some((1, 1, splits as u32));
+        let cluster = (1, 1, splits as u32);
         let splits = splits as i32;
         let args: [&dyn KernelArg; 15] = [
             &q,
@@ -669,9 +670,10 @@ pub(crate) fn launch_attention(
             &part_acc,
             &part_ml,
         ];
-        match cluster {
-            Some(cluster) => gpu.launch_cluster(&name, config, cluster, &args),
-            None => gpu.launch(&name, config, &args),
+        if in_clusters {
+            gpu.launch_cluster(&name, config, cluster, &args)
+        } else {
+            gpu.launch(&name, config, &args)
         }
     };
     let decode_items = plan.decode_items.len() / 4;
