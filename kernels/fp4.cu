@@ -163,6 +163,45 @@ __device__ __forceinline__ void fp4_store(float* __restrict__ y, const float* __
     }
 }
 
+// What a one-token GEMV does with its sums besides storing them: the
+// fused batch-1 path of the fast numerics (model.rs), the FP4 kin of
+// gemv.cu's fused kernels. The row tiles are paired for it: a lane's rows g
+// and g + 8 of the plain tile become rows (2i, 2i + 1) of a tile (NORM_ROPE:
+// the pair RoPE rotates together) or gate row i and its up row ffn + i
+// (NORM_SWIGLU), so that one lane holds both sums of what it writes.
+//  - NORM_ROPE / NORM_SWIGLU: x is the residual times the norm's weights g
+//    as BF16 (the output projection before wrote it, or the embedding); the
+//    sums are scaled by 1 / rms of the f32 residual `resid` (each block sums
+//    its squares while its first copy is in flight). Then RoPE with the KV
+//    write (rope_kv_pair), or silu(gate) * up to `out`.
+//  - RESIDUAL: y += W x (accumulate), and bf16(y * g_next) to `out` for the
+//    input projection after (skipped where `out` is null).
+// FP4 codes cannot take the norm's weights folded in as BF16 matrices do
+// (W g would need quantizing again), so they travel with x instead.
+#define FP4_PLAIN 0
+#define FP4_NORM_ROPE 1
+#define FP4_NORM_SWIGLU 2
+#define FP4_RESIDUAL 3
+struct Fp4Epilogue {
+    const float* resid;
+    float eps;
+    bf16* out;
+    const float* g_next;
+    RopeKvOut rope;
+};
+
+// Rows a and b (= a + b_rows) of lane row g in 16-row tile `tile` (MODE above).
+template <int MODE>
+__device__ __forceinline__ int fp4_tile_row(int tile, int g) {
+    if (MODE == FP4_NORM_ROPE) return tile * 16 + 2 * g;
+    if (MODE == FP4_NORM_SWIGLU) return tile * 8 + g;
+    return tile * 16 + g;
+}
+template <int MODE>
+__device__ __forceinline__ int fp4_b_rows(int rows) {
+    return MODE == FP4_NORM_ROPE ? 1 : MODE == FP4_NORM_SWIGLU ? rows / 2 : 8;
+}
+
 // The GEMV's pipeline: each warp copies its next chunk into shared memory
 // with cp.async while it multiplies this one (the codes used to come
 // straight into registers, four chunks a warp at a time, and a warp had
@@ -177,13 +216,53 @@ __device__ __forceinline__ void fp4_store(float* __restrict__ y, const float* __
 #define GEMV_STAGE_BYTES (1024 + 128)
 #define GEMV_WARPS 8
 
-template <bool NV, int NT>
+// The fused modes' end of a tile, by lane (g, t = 0) of warp 0, which holds
+// token 0's sums of rows a (i = 0) and b (i = 2): the warps' parts added in
+// warp order, as fp4_store scales them.
+template <int MODE>
+__device__ __forceinline__ void fp4_fused_store(const Fp4Epilogue& epi, float (*partial)[1][32][4], const float* sumsq,
+                                                int lane, int ra, int rb, float* __restrict__ y,
+                                                const float* __restrict__ row_scale, int rows, int cols,
+                                                float out_pow2) {
+    float sa = 0.0f, sb = 0.0f;
+#pragma unroll
+    for (int w = 0; w < GEMV_WARPS; w++) {
+        sa += partial[w][0][lane][0];
+        sb += partial[w][0][lane][2];
+    }
+    float norm = 1.0f;
+    if (MODE == FP4_NORM_ROPE || MODE == FP4_NORM_SWIGLU) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int w = 0; w < GEMV_WARPS; w++) ss += sumsq[w];
+        norm = 1.0f / sqrtf(ss / (float)cols + epi.eps);
+    }
+    const float va = sa * out_pow2 * row_scale[ra] * norm, vb = sb * out_pow2 * row_scale[rb] * norm;
+    if (MODE == FP4_NORM_ROPE) {
+        rope_kv_pair(epi.rope, 0, ra, va, vb);
+    } else if (MODE == FP4_NORM_SWIGLU) {
+        epi.out[ra] = f32_to_bf16(silu_times(va, vb));
+    } else {  // FP4_RESIDUAL
+        const float ya = y[ra] + va, yb = y[rb] + vb;
+        y[ra] = ya;
+        y[rb] = yb;
+        if (epi.out) {
+            epi.out[ra] = f32_to_bf16(ya * epi.g_next[ra]);
+            epi.out[rb] = f32_to_bf16(yb * epi.g_next[rb]);
+        }
+    }
+}
+
+template <bool NV, int NT, int MODE = FP4_PLAIN>
 __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
                                          const float* __restrict__ row_scale, const bf16* __restrict__ x,
                                          float* __restrict__ y, int n, int rows, int cols, float out_pow2, int shift,
-                                         int accumulate) {
+                                         int accumulate, const Fp4Epilogue& epi = Fp4Epilogue{}) {
+    static_assert(MODE == FP4_PLAIN || NT == 1, "the fused epilogues take one token");
+    constexpr bool NORM = MODE == FP4_NORM_ROPE || MODE == FP4_NORM_SWIGLU;
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ float partial[2][GEMV_WARPS][NT][32][4];
+    __shared__ float sumsq[GEMV_WARPS];
     fp4_fill_scale_table<NV>(shift);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int tok0 = blockIdx.x * NT * 8;
@@ -221,18 +300,20 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     int issued = 0, tile_left = 0, next_tile = blockIdx.y, next_k = 0;
     u32 next_a = 0, next_s = 0;
     bool next_ina = false, next_inb = false, next_ins = false, next_whole = false;
-    const u32 b_off = 8 * (u32)row_bytes;
+    const u32 b_off = (u32)fp4_b_rows<MODE>(rows) * (u32)row_bytes;
     const bool copies_scales = scales_staged && t < 2;
     // Copies the next item into its stage and commits a group (an empty one
     // past the last item, so that the wait below always counts the same).
     auto issue = [&]() {
         if (issued < items) {
             if (tile_left == 0) {
-                const int ra = next_tile * 16 + g, rb = ra + 8, rs = t == 0 ? ra : rb;
+                const int ra = fp4_tile_row<MODE>(next_tile, g), rb = ra + fp4_b_rows<MODE>(rows);
+                const int rs = t == 0 ? ra : rb;
                 next_ina = ra < rows;
                 next_inb = rb < rows;
                 next_ins = copies_scales && rs < rows;
-                next_whole = next_tile * 16 + 16 <= rows && scales_staged;
+                // (The paired modes take rows a multiple of 16: every tile whole.)
+                next_whole = (MODE != FP4_PLAIN || next_tile * 16 + 16 <= rows) && scales_staged;
                 next_a = (u32)ra * (u32)row_bytes + (warp << 6) + 16 * t;
                 next_s = (u32)rs * per_row_scales + warp * chunk_scales;
                 next_k = (warp << 7) + 32 * t;
@@ -271,6 +352,16 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     };
 #pragma unroll
     for (int s = 0; s < GEMV_STAGES - 1; s++) issue();
+    if (NORM) {  // this block's own sum of the residual's squares (L2), while the first copy flies
+        float ss = 0.0f;
+        const float4* r4 = (const float4*)epi.resid;
+        for (int i = threadIdx.x; i < cols / 4; i += GEMV_WARPS * 32) {
+            const float4 v = r4[i];
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) sumsq[warp] = ss;  // read after the first tile's barrier
+    }
 
     // This lane's x: token g (and g + 8), from the warp's first chunk.
     const bf16* const x_lane = opaque(x + (u64)g * cols + (warp << 7) + 32 * t);
@@ -279,7 +370,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     for (int nt = 0; nt < NT; nt++) tok_in[nt] = nt * 8 + g < n;
     int item = 0;
     for (int tl = 0; tl < my_tiles; tl++) {
-        const int ra = ((int)blockIdx.y + tl * (int)gridDim.y) * 16 + g, rb = ra + 8;
+        const int ra = fp4_tile_row<MODE>((int)blockIdx.y + tl * (int)gridDim.y, g), rb = ra + fp4_b_rows<MODE>(rows);
         float acc[NT][4];
 #pragma unroll
         for (int i = 0; i < NT; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
@@ -343,7 +434,10 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
 #pragma unroll
             for (int i = 0; i < 4; i++) partial[tl & 1][warp][nt][lane][i] = acc[nt][i];
         __syncthreads();
-        if (warp == 0) {  // the fixed order of the sum keeps it deterministic
+        if constexpr (MODE != FP4_PLAIN) {
+            if (warp == 0 && t == 0) fp4_fused_store<MODE>(epi, partial[tl & 1], sumsq, lane, ra, rb, y, row_scale, rows,
+                                                          cols, out_pow2);
+        } else if (warp == 0) {  // the fixed order of the sum keeps it deterministic
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -386,6 +480,39 @@ extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_nv_n8(FP4_ARGS) {
 extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_nv_n16(FP4_ARGS) {
     wait_for_previous_kernels();
     fp4_gemv<true, 2>(FP4_PASS);
+}
+
+// The fused one-token kernels (FP4_NORM_ROPE and kin above): the GEMV's
+// arguments, then the epilogue's (those a mode does not use may be null).
+#define FP4_FUSED_ARGS FP4_ARGS, const float *__restrict__ resid, float eps, bf16 *__restrict__ out, \
+                       const float *__restrict__ g_next, const int *__restrict__ positions, \
+                       const int *__restrict__ slots, bf16 *__restrict__ q_out, bf16 *__restrict__ k_cache, \
+                       bf16 *__restrict__ v_cache, int n_heads, int n_kv_heads, int head_dim, float theta
+#define FP4_EPILOGUE \
+    Fp4Epilogue { resid, eps, out, g_next, {positions, slots, q_out, k_cache, v_cache, n_heads, n_kv_heads, head_dim, theta}, }
+extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_mx_norm_rope_n1(FP4_FUSED_ARGS) {
+    wait_for_previous_kernels();
+    fp4_gemv<false, 1, FP4_NORM_ROPE>(FP4_PASS, FP4_EPILOGUE);
+}
+extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_nv_norm_rope_n1(FP4_FUSED_ARGS) {
+    wait_for_previous_kernels();
+    fp4_gemv<true, 1, FP4_NORM_ROPE>(FP4_PASS, FP4_EPILOGUE);
+}
+extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_mx_norm_swiglu_n1(FP4_FUSED_ARGS) {
+    wait_for_previous_kernels();
+    fp4_gemv<false, 1, FP4_NORM_SWIGLU>(FP4_PASS, FP4_EPILOGUE);
+}
+extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_nv_norm_swiglu_n1(FP4_FUSED_ARGS) {
+    wait_for_previous_kernels();
+    fp4_gemv<true, 1, FP4_NORM_SWIGLU>(FP4_PASS, FP4_EPILOGUE);
+}
+extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_mx_residual_n1(FP4_FUSED_ARGS) {
+    wait_for_previous_kernels();
+    fp4_gemv<false, 1, FP4_RESIDUAL>(FP4_PASS, FP4_EPILOGUE);
+}
+extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_nv_residual_n1(FP4_FUSED_ARGS) {
+    wait_for_previous_kernels();
+    fp4_gemv<true, 1, FP4_RESIDUAL>(FP4_PASS, FP4_EPILOGUE);
 }
 
 // --- The tiled GEMM: more than 16 tokens ---

@@ -3,17 +3,20 @@
 // are bf16.
 
 // x[t] = embedding row tokens[t], and with x_bf16 (not null; for the fused
-// one-token GEMVs, gemv.cu) the row as it is (BF16) to x_bf16 too. One block
-// per token.
+// one-token GEMVs, gemv.cu and fp4.cu) the row to x_bf16 too: as it is
+// (BF16), or times the first norm's weights g where g is not null (the FP4
+// kernels', whose weights cannot take g folded in). One block per token.
 extern "C" __global__ void embed_rows(const bf16* __restrict__ table, const int* __restrict__ tokens,
-                                      float* __restrict__ x, bf16* __restrict__ x_bf16, int hidden) {
+                                      float* __restrict__ x, bf16* __restrict__ x_bf16, const float* __restrict__ g,
+                                      int hidden) {
     wait_for_previous_kernels();
     const bf16* row = table + (u64)tokens[blockIdx.x] * hidden;
     float* out = x + (u64)blockIdx.x * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[i] = bf16_to_f32(row[i]);
     if (x_bf16) {
         const u64 at = (u64)blockIdx.x * hidden;
-        for (int i = threadIdx.x; i < hidden; i += blockDim.x) x_bf16[at + i] = row[i];
+        for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+            x_bf16[at + i] = g ? f32_to_bf16(bf16_to_f32(row[i]) * g[i]) : row[i];
     }
 }
 

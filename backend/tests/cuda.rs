@@ -74,7 +74,8 @@ fn logits_match_the_cpu_on_smollm2() {
 /// of the same FP4 weights. Batch-invariant numerics: the GEMV in every step.
 /// Fast: the six prompts' prefill (more than FP4_GEMM_MAX_TOKENS tokens)
 /// through BF16 copies and cuBLAS, the first three's (17 to 64 tokens)
-/// through the tiled GEMM, the decode steps through the GEMV.
+/// through the tiled GEMM, the decode steps through the GEMV (one prompt's
+/// through the fused one-token GEMVs, `fp4.cu`'s FP4_NORM_ROPE and kin).
 #[test]
 fn fp4_logits_match_the_cpu_on_smollm2() {
     use sluice_backend::compute::cuda::{FP4_GEMM_MAX_TOKENS, FP4_GEMV_MAX_TOKENS};
@@ -93,6 +94,9 @@ fn fp4_logits_match_the_cpu_on_smollm2() {
             (Numerics::BatchInvariant, PROMPTS),
             (Numerics::Fast, PROMPTS),
             (Numerics::Fast, three),
+            // One prompt (the longest: a mean over more rows) alone, so
+            // that its decode step takes the fused one-token GEMVs.
+            (Numerics::Fast, &PROMPTS[2..3]),
         ] {
             eprintln!("{format} {numerics:?}, {} prompts:", prompts.len());
             assert_logits_match(&llama, numerics, prompts);

@@ -11,7 +11,7 @@ use cudarc::driver::CudaSlice;
 use serde::Serialize;
 
 use super::bench::median_secs;
-use super::device::{DevPtr, Gpu, GpuError, elementwise, grid};
+use super::device::{DevPtr, Gpu, GpuError, KernelArg, elementwise, grid};
 use super::fp4_blackwell::{BLOCKSCALED_COLS_MULTIPLE, blockscaled_path};
 use crate::compute::fp4::{Fp4Format, Fp4Matrix};
 use crate::model::LlamaConfig;
@@ -19,6 +19,10 @@ use crate::model::LlamaConfig;
 /// Columns a row must be a multiple of (a kernel lane's 32 columns are all
 /// in the row or all out).
 pub const FP4_COLS_MULTIPLE: usize = 32;
+
+/// Rows the fused one-token GEMVs take a multiple of (whole 16-row tiles,
+/// each of 8 RoPE pairs or 8 gate rows with their up rows).
+pub const FP4_FUSED_ROWS_MULTIPLE: usize = 16;
 
 /// Warps per block of the kernels (`fp4.cu`'s GEMV_WARPS).
 const FP4_WARPS: u32 = 8;
@@ -272,17 +276,56 @@ impl Fp4Weights {
         n: usize,
         accumulate: bool,
     ) -> Result<(), GpuError> {
-        self.in_hopper_order()?;
         if n == 0 {
             return Ok(());
         }
         // 8 tokens a block when that is all; else 16.
         let per_block = if n <= 8 { 8 } else { 16 };
+        let kernel = format!("n{per_block}");
+        self.launch_gemv(gpu, &kernel, x, y, n, accumulate, &[])
+    }
+
+    /// One token's GEMV with a fused epilogue (`fp4.cu`'s FP4_NORM_ROPE and
+    /// kin; `layers::fp4_gemv_norm_rope` and its kin say what each does):
+    /// `kernel` names it ("norm_rope", "norm_swiglu", "residual"), `epilogue`
+    /// is the kernel's parameters after the GEMV's (FP4_FUSED_ARGS).
+    pub(super) fn gemv_one_token(
+        &self,
+        gpu: &Gpu,
+        kernel: &str,
+        x: DevPtr,
+        y: DevPtr,
+        accumulate: bool,
+        epilogue: &[&dyn KernelArg],
+    ) -> Result<(), GpuError> {
+        if !self.rows.is_multiple_of(FP4_FUSED_ROWS_MULTIPLE) {
+            return Err(GpuError::Other(format!(
+                "the fused FP4 GEMVs take rows in whole {FP4_FUSED_ROWS_MULTIPLE}s, not {}",
+                self.rows
+            )));
+        }
+        self.launch_gemv(gpu, &format!("{kernel}_n1"), x, y, 1, accumulate, epilogue)
+    }
+
+    /// Launches `fp4_gemv_{mx|nv}_{kernel}` with the GEMV's parameters, then
+    /// `extra`: as many blocks as the GPU holds at once, walking the row tiles.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_gemv(
+        &self,
+        gpu: &Gpu,
+        kernel: &str,
+        x: DevPtr,
+        y: DevPtr,
+        n: usize,
+        accumulate: bool,
+        extra: &[&dyn KernelArg],
+    ) -> Result<(), GpuError> {
+        self.in_hopper_order()?;
         let name = match self.format {
-            Fp4Format::Mxfp4 => format!("fp4_gemv_mx_n{per_block}"),
-            Fp4Format::Nvfp4 => format!("fp4_gemv_nv_n{per_block}"),
+            Fp4Format::Mxfp4 => format!("fp4_gemv_mx_{kernel}"),
+            Fp4Format::Nvfp4 => format!("fp4_gemv_nv_{kernel}"),
         };
-        let token_blocks = n.div_ceil(per_block) as u32;
+        let token_blocks = n.div_ceil(if n <= 8 { 8 } else { 16 }) as u32;
         // The kernel addresses a matrix's codes with 32-bit offsets.
         if self.rows * self.cols / 2 > u32::MAX as usize {
             return Err(GpuError::Other(format!(
@@ -290,28 +333,37 @@ impl Fp4Weights {
                 self.rows, self.cols
             )));
         }
-        // As many blocks as the GPU holds at once; they walk the row tiles.
         let resident = gpu.sm_count * gpu.blocks_per_sm(&name, FP4_WARPS * 32, GEMV_SMEM)?;
         let row_blocks = (self.rows.div_ceil(16) as u32).clamp(1, resident.max(1));
+        let (codes, scales, row_scale) = (
+            gpu.ptr(&self.codes, 0),
+            gpu.ptr(&self.scales, 0),
+            gpu.ptr(&self.row_scale, 0),
+        );
+        let (n32, rows, cols) = (n as i32, self.rows as i32, self.cols as i32);
+        let (out_pow2, accumulate) = (self.out_pow2(), i32::from(accumulate));
+        let mut args: Vec<&dyn KernelArg> = vec![
+            &codes,
+            &scales,
+            &row_scale,
+            &x,
+            &y,
+            &n32,
+            &rows,
+            &cols,
+            &out_pow2,
+            &self.shift,
+            &accumulate,
+        ];
+        args.extend_from_slice(extra);
         // SAFETY: the kernel reads 16-byte groups of codes within each row
         // (cols a multiple of 32), the scales of those columns, a scale per
-        // row, x's rows j < n and writes y's rows j < n.
+        // row, x's rows j < n and writes y's rows j < n; `extra` is what the
+        // fused kernels' callers vouch for (layers.rs).
         gpu.launch(
             &name,
             grid((token_blocks, row_blocks, 1), FP4_WARPS * 32, GEMV_SMEM),
-            &[
-                &gpu.ptr(&self.codes, 0),
-                &gpu.ptr(&self.scales, 0),
-                &gpu.ptr(&self.row_scale, 0),
-                &x,
-                &y,
-                &(n as i32),
-                &(self.rows as i32),
-                &(self.cols as i32),
-                &self.out_pow2(),
-                &self.shift,
-                &i32::from(accumulate),
-            ],
+            &args,
         )
     }
 

@@ -1,10 +1,12 @@
 //! Launches of the per-token kernels around the GEMMs (`kernels/layers.cu`):
 //! RMSNorm, RoPE with the KV cache write, SwiGLU and greedy sampling, each
 //! with the grid its kernel is written for; and the one-token GEMVs that fuse
-//! them with a layer's input projections (`kernels/gemv.cu`). The model and
+//! them with a layer's input projections (`kernels/gemv.cu`, and their FP4
+//! kin in `kernels/fp4.cu`). The model and
 //! the kernel tests both launch through here.
 
 use super::device::{DevPtr, Gpu, GpuError, KernelArg, elementwise, grid};
+use super::fp4::Fp4Weights;
 use crate::model::LlamaConfig;
 
 /// RMSNorm's block size and float4s per thread (`RMS_THREADS`, `RMS_VEC`).
@@ -125,6 +127,21 @@ impl RopeKvOut {
         }
     }
 
+    /// For the kernels that take these parameters and write no RoPE.
+    fn none() -> RopeKvOut {
+        RopeKvOut {
+            positions: 0,
+            slots: 0,
+            q_out: 0,
+            k_cache: 0,
+            v_cache: 0,
+            n_heads: 0,
+            n_kv_heads: 0,
+            head_dim: 0,
+            theta: 0.0,
+        }
+    }
+
     fn args(&self) -> [&dyn KernelArg; 9] {
         [
             &self.positions,
@@ -232,6 +249,85 @@ pub fn gemv_residual(
         grid((rows.div_ceil(2) as u32, 1, 1), GEMV_THREADS, 0),
         &[&w, &x, &y, &(rows as i32), &(cols as i32), &y_bf16],
     )
+}
+
+/// `gemv_norm_rope` with FP4 weights `w` (`fp4.cu`, FP4_NORM_ROPE): `x` is
+/// the residual times the norm's weights g as BF16 (FP4 codes cannot take g
+/// folded in; the embedding or the output projection before writes it) and
+/// `resid` the f32 residual, whose RMS scales the sums.
+#[allow(clippy::too_many_arguments)]
+pub fn fp4_gemv_norm_rope(
+    gpu: &Gpu,
+    c: &LlamaConfig,
+    w: &Fp4Weights,
+    x: DevPtr,
+    resid: DevPtr,
+    positions: DevPtr,
+    slots: DevPtr,
+    q_out: DevPtr,
+    k_cache: DevPtr,
+    v_cache: DevPtr,
+) -> Result<(), GpuError> {
+    fp4_check(w, c.q_dim() + 2 * c.kv_dim(), c.hidden)?;
+    let out = RopeKvOut::new(c, positions, slots, q_out, k_cache, v_cache);
+    let null: DevPtr = 0;
+    let mut epilogue: Vec<&dyn KernelArg> = vec![&resid, &c.rms_eps, &null, &null];
+    epilogue.extend(out.args());
+    // SAFETY (kernel, with Fp4Weights::gemv_one_token's): resid and x hold
+    // `hidden` values, positions and slots one entry, q_out q_dim; the slot
+    // is in the cache.
+    w.gemv_one_token(gpu, "norm_rope", x, null, false, &epilogue)
+}
+
+/// `gemv_norm_swiglu` with FP4 weights `w` (FP4_NORM_SWIGLU): the stacked
+/// [gate | up] rows times x (as in `fp4_gemv_norm_rope`), `act =
+/// bf16(silu(gate) * up)`.
+pub fn fp4_gemv_norm_swiglu(
+    gpu: &Gpu,
+    c: &LlamaConfig,
+    w: &Fp4Weights,
+    x: DevPtr,
+    resid: DevPtr,
+    act: DevPtr,
+) -> Result<(), GpuError> {
+    fp4_check(w, 2 * c.ffn, c.hidden)?;
+    let none = RopeKvOut::none();
+    let null: DevPtr = 0;
+    let mut epilogue: Vec<&dyn KernelArg> = vec![&resid, &c.rms_eps, &act, &null];
+    epilogue.extend(none.args());
+    // SAFETY (kernel): resid and x hold `hidden` values, act ffn BF16.
+    w.gemv_one_token(gpu, "norm_swiglu", x, null, false, &epilogue)
+}
+
+/// `gemv_residual` with FP4 weights `w` (FP4_RESIDUAL): `y += w x`, and
+/// `bf16(y * g_next)` to `y_bf16` for the next norm's input projection
+/// (nothing where `y_bf16` is 0).
+pub fn fp4_gemv_residual(
+    gpu: &Gpu,
+    w: &Fp4Weights,
+    x: DevPtr,
+    y: DevPtr,
+    y_bf16: DevPtr,
+    g_next: DevPtr,
+) -> Result<(), GpuError> {
+    let none = RopeKvOut::none();
+    let (null, eps): (DevPtr, f32) = (0, 0.0);
+    let mut epilogue: Vec<&dyn KernelArg> = vec![&null, &eps, &y_bf16, &g_next];
+    epilogue.extend(none.args());
+    // SAFETY (kernel): x holds `cols` BF16 values, y `rows` f32, y_bf16 and
+    // g_next `rows` values where y_bf16 is not 0.
+    w.gemv_one_token(gpu, "residual", x, y, true, &epilogue)
+}
+
+/// A fused FP4 GEMV's matrix against the shape its epilogue writes.
+fn fp4_check(w: &Fp4Weights, rows: usize, cols: usize) -> Result<(), GpuError> {
+    if (w.rows, w.cols) != (rows, cols) {
+        return Err(GpuError::Other(format!(
+            "a fused FP4 GEMV of {} x {} where the layer wants {rows} x {cols}",
+            w.rows, w.cols
+        )));
+    }
+    Ok(())
 }
 
 /// The fused GEMVs' block (`GEMV_THREADS` in gemv.cu).

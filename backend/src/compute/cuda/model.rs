@@ -19,7 +19,8 @@ use super::device::{
     grid,
 };
 use super::fp4::{
-    FP4_COLS_MULTIPLE, FP4_GEMM_MAX_TOKENS, FP4_GEMV_MAX_TOKENS, Fp4Weights, SumOrder,
+    FP4_COLS_MULTIPLE, FP4_FUSED_ROWS_MULTIPLE, FP4_GEMM_MAX_TOKENS, FP4_GEMV_MAX_TOKENS,
+    Fp4Weights, SumOrder,
 };
 use super::layers;
 use crate::compute::cpu::{Quant, Weight};
@@ -123,6 +124,20 @@ impl CudaLayer {
         match (&self.wqkv, &self.wo, &self.w_gate_up, &self.w_down) {
             (Linear::Bf16(qkv), Linear::Bf16(o), Linear::Bf16(gate_up), Linear::Bf16(down)) => {
                 Some([qkv, o, gate_up, down])
+            }
+            _ => None,
+        }
+    }
+
+    /// QKV, o, gate/up and down, when all four are FP4 that the fused
+    /// one-token GEMVs take (the Hopper kernels' order, whole 16-row tiles).
+    fn fp4_weights(&self) -> Option<[&Fp4Weights; 4]> {
+        match (&self.wqkv, &self.wo, &self.w_gate_up, &self.w_down) {
+            (Linear::Fp4(qkv), Linear::Fp4(o), Linear::Fp4(gate_up), Linear::Fp4(down)) => {
+                let all = [qkv, o, gate_up, down];
+                all.iter()
+                    .all(|w| !w.file_order && w.rows.is_multiple_of(FP4_FUSED_ROWS_MULTIPLE))
+                    .then_some(all)
             }
             _ => None,
         }
@@ -505,6 +520,16 @@ impl CudaLlama {
         layers::fuses(&self.config) && self.layers.iter().all(|l| l.bf16_weights().is_some())
     }
 
+    /// Whether a one-token step can take the fused FP4 GEMVs: every linear
+    /// layer FP4 that they take (`CudaLayer::fp4_weights`). Off with
+    /// `SLUICE_FP4_FUSED=0` (to measure what they give).
+    fn fused_fp4_one_token(&self) -> bool {
+        static ON: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
+            std::env::var("SLUICE_FP4_FUSED").map_or(true, |v| v != "0")
+        });
+        *ON && self.layers.iter().all(|l| l.fp4_weights().is_some())
+    }
+
     /// Enqueues a step's kernels on the stream: no allocation, no copy, no
     /// wait (so that it can be captured into a graph).
     fn record(
@@ -552,18 +577,49 @@ impl CudaLlama {
         // into the projection's, CudaLayer) and what follows it, reading the
         // residual as BF16 from `xn`, which the embedding and the output
         // projections write. Six launches a layer instead of ten.
-        let fused = n == 1 && ws.numerics == Numerics::Fast && self.fused_one_token();
+        let one_fast = n == 1 && ws.numerics == Numerics::Fast;
+        let fused = one_fast && self.fused_one_token();
+        // The same with FP4 layers (fp4.cu, FP4_NORM_ROPE and kin): the norms'
+        // weights g cannot be folded into FP4 codes, so `xn` holds the
+        // residual times the next norm's g, which the embedding and the
+        // output projections write, and the input projections take the RMS
+        // of the f32 residual `x` themselves.
+        let fused_fp4 = one_fast && !fused && self.fused_fp4_one_token();
         // SAFETY (all launches): the buffers were sized by `reserve` for n
         // tokens and m logit rows; the index arrays hold n (or m) entries.
-        let x_bf16 = if fused { xn } else { null };
+        let x_bf16 = if fused || fused_fp4 { xn } else { null };
+        let first_norm = match self.layers.first() {
+            Some(l) if fused_fp4 => p(&l.attn_norm),
+            _ => null,
+        };
         gpu.launch(
             "embed_rows",
             grid((n32, 1, 1), 256, 0),
-            &[&b(&self.embed), &meta.tokens, &x, &x_bf16, &h32],
+            &[
+                &b(&self.embed),
+                &meta.tokens,
+                &x,
+                &x_bf16,
+                &first_norm,
+                &h32,
+            ],
         )?;
         for (li, layer) in self.layers.iter().enumerate() {
             let (k_cache, v_cache) = kv.layer(gpu, li);
             let (pos, slots) = (meta.positions, meta.slots);
+            if let Some([wqkv, wo, w_gate_up, w_down]) = layer.fp4_weights().filter(|_| fused_fp4) {
+                // The next layer's input as `xn`, bf16(x g); none after the last.
+                let (next_in, next_norm) = match self.layers.get(li + 1) {
+                    Some(next) => (xn, p(&next.attn_norm)),
+                    None => (null, null),
+                };
+                layers::fp4_gemv_norm_rope(gpu, c, wqkv, xn, x, pos, slots, qb, k_cache, v_cache)?;
+                launch_attention(gpu, c, ws, plan, meta, qb, k_cache, v_cache, attn)?;
+                layers::fp4_gemv_residual(gpu, wo, attn, x, xn, p(&layer.ffn_norm))?;
+                layers::fp4_gemv_norm_swiglu(gpu, c, w_gate_up, xn, x, act)?;
+                layers::fp4_gemv_residual(gpu, w_down, act, x, next_in, next_norm)?;
+                continue;
+            }
             if let Some([wqkv, wo, w_gate_up, w_down]) = layer.bf16_weights().filter(|_| fused) {
                 layers::gemv_norm_rope(gpu, c, b(wqkv), xn, pos, slots, qb, k_cache, v_cache)?;
                 launch_attention(gpu, c, ws, plan, meta, qb, k_cache, v_cache, attn)?;

@@ -462,6 +462,179 @@ fn fused_one_token_gemvs_equal_the_separate_kernels() {
     }
 }
 
+/// The FP4 one-token fused GEMVs (`fp4.cu`, FP4_NORM_ROPE and kin) against
+/// the separate kernels they stand for: RMSNorm with weights g, the FP4
+/// GEMV, RoPE with the KV write or SwiGLU; and the output projection's form
+/// against the GEMV with accumulate. The fused input projections take x g
+/// as BF16 and the f32 residual's RMS. Where x = +-2 (1 / rms = 0.5 exactly,
+/// eps 0) and g is a power of two, both multiply the same codes by x g / 2
+/// and x g summed in the same order, so they give the same bits; elsewhere
+/// they differ in where BF16 rounds.
+#[test]
+fn fused_fp4_one_token_gemvs_equal_the_separate_kernels() {
+    use super::fp4::Fp4Weights;
+    use crate::compute::fp4::{Fp4Format, Fp4Matrix};
+    let Some(gpu) = gpu() else { return };
+    // 512 columns: whole 128-column chunks, scales staged; 576 (SmolLM2's):
+    // not. FFN 3,200: 400 tiles of gate/up, more than the grid's blocks on
+    // an H200, so blocks walk several.
+    for (hidden, ffn) in [(512, 320), (576, 3200)] {
+        let c = LlamaConfig {
+            hidden,
+            ffn,
+            rms_eps: 0.0,
+            ..tiny_config(64, 6, 2)
+        };
+        let (q_dim, kv_dim) = (c.q_dim(), c.kv_dim());
+        let qkv_rows = q_dim + 2 * kv_dim;
+        let block_size = 16;
+        let (pos, slot) = (37i32, 5 * block_size as i32 + 37 % block_size as i32);
+        let (dpos, dslot) = (gpu.upload(&[pos]).unwrap(), gpu.upload(&[slot]).unwrap());
+        let (pos_p, slot_p) = (gpu.ptr(&dpos, 0), gpu.ptr(&dslot, 0));
+        for format in [Fp4Format::Mxfp4, Fp4Format::Nvfp4] {
+            let quantized = |rows: usize, cols: usize, seed: u64| {
+                let w = values(rows * cols, seed);
+                let m = Fp4Matrix::quantize(format, rows, cols, &w).unwrap();
+                Fp4Weights::upload(&gpu, &m).unwrap()
+            };
+            let (w_qkv, w_gate_up) = (
+                quantized(qkv_rows, hidden, 61),
+                quantized(2 * ffn, hidden, 62),
+            );
+            let w_o = quantized(hidden, q_dim, 63);
+
+            let separate = |x: &[f32], g: &[f32]| {
+                let (dx, dg) = (gpu.upload(x).unwrap(), gpu.upload(g).unwrap());
+                let xn = gpu.alloc::<u16>(hidden).unwrap();
+                let xn_p = gpu.ptr(&xn, 0);
+                let (dx_p, dg_p) = (gpu.ptr(&dx, 0), gpu.ptr(&dg, 0));
+                layers::rms_norm(&gpu, dx_p, 0, dg_p, xn_p, 1, hidden, c.rms_eps).unwrap();
+                let qkv = gpu.alloc::<f32>(qkv_rows).unwrap();
+                let qkv_p = gpu.ptr(&qkv, 0);
+                w_qkv.gemv(&gpu, xn_p, qkv_p, 1, false).unwrap();
+                let kv = CudaKvCache::new(&gpu, &c, 8, block_size).unwrap();
+                let (k, v) = kv.layer(&gpu, 0);
+                let q = gpu.alloc::<u16>(q_dim).unwrap();
+                layers::rope_store_kv(&gpu, &c, qkv_p, pos_p, slot_p, gpu.ptr(&q, 0), k, v, 1)
+                    .unwrap();
+                let gate_up = gpu.alloc::<f32>(2 * ffn).unwrap();
+                let gate_up_p = gpu.ptr(&gate_up, 0);
+                w_gate_up.gemv(&gpu, xn_p, gate_up_p, 1, false).unwrap();
+                let act = gpu.alloc::<u16>(ffn).unwrap();
+                layers::silu_mul(&gpu, gate_up_p, gpu.ptr(&act, 0), 1, ffn).unwrap();
+                FusedOutputs {
+                    q: gpu.download(&q, q_dim).unwrap(),
+                    kv: kv.read_layer(&gpu, 0).unwrap(),
+                    act: gpu.download(&act, ffn).unwrap(),
+                }
+            };
+            let fused = |x: &[f32], g: &[f32]| {
+                let xg: Vec<f32> = x.iter().zip(g).map(|(x, g)| x * g).collect();
+                let (dx, dxg) = (gpu.upload(x).unwrap(), gpu.upload(&to_bf16(&xg)).unwrap());
+                let (dx_p, xg_p) = (gpu.ptr(&dx, 0), gpu.ptr(&dxg, 0));
+                let kv = CudaKvCache::new(&gpu, &c, 8, block_size).unwrap();
+                let (k, v) = kv.layer(&gpu, 0);
+                let q = gpu.alloc::<u16>(q_dim).unwrap();
+                let q_p = gpu.ptr(&q, 0);
+                layers::fp4_gemv_norm_rope(&gpu, &c, &w_qkv, xg_p, dx_p, pos_p, slot_p, q_p, k, v)
+                    .unwrap();
+                let act = gpu.alloc::<u16>(ffn).unwrap();
+                layers::fp4_gemv_norm_swiglu(&gpu, &c, &w_gate_up, xg_p, dx_p, gpu.ptr(&act, 0))
+                    .unwrap();
+                FusedOutputs {
+                    q: gpu.download(&q, q_dim).unwrap(),
+                    kv: kv.read_layer(&gpu, 0).unwrap(),
+                    act: gpu.download(&act, ffn).unwrap(),
+                }
+            };
+            let what = format!("{format:?}, hidden {hidden}");
+
+            let twos: Vec<f32> = values(hidden, 41)
+                .iter()
+                .map(|v| if *v < 0.0 { -2.0 } else { 2.0 })
+                .collect();
+            let powers_of_two: Vec<f32> = (0..hidden).map(|i| [0.5, 1.0, 2.0][i % 3]).collect();
+            let (a, b) = (
+                separate(&twos, &powers_of_two),
+                fused(&twos, &powers_of_two),
+            );
+            assert_eq!(b.q, a.q, "{what}: q");
+            assert_eq!(b.kv, a.kv, "{what}: the caches");
+            let at = slot as usize * kv_dim..(slot as usize + 1) * kv_dim;
+            assert!(
+                a.kv.0[at.clone()].iter().all(|v| *v != 0.0),
+                "K was written"
+            );
+            assert!(a.kv.1[at].iter().all(|v| *v != 0.0), "V was written");
+            assert_eq!(b.act, a.act, "{what}: act");
+            assert!(a.act.iter().any(|&v| v != 0), "act was written");
+
+            // Any residual and norm weights: within a few BF16 roundings of
+            // the largest value.
+            let x = values(hidden, 45);
+            let g: Vec<f32> = values(hidden, 42).iter().map(|v| 1.0 + 0.5 * v).collect();
+            let (a, b) = (separate(&x, &g), fused(&x, &g));
+            let close = |got: &[f32], want: &[f32], part: &str| {
+                let most = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                    assert!(
+                        (g - w).abs() <= most / 64.0,
+                        "{what}: {part}[{i}]: {g} vs {w}"
+                    );
+                }
+            };
+            close(&from_bf16(&b.q), &from_bf16(&a.q), "q");
+            close(&b.kv.0, &a.kv.0, "k");
+            close(&b.kv.1, &a.kv.1, "v");
+            close(&from_bf16(&b.act), &from_bf16(&a.act), "act");
+
+            // The output projection: y += W x as the GEMV adds it, and
+            // bf16(y g_next) for the next norm's input.
+            let attn = gpu.upload(&to_bf16(&values(q_dim, 46))).unwrap();
+            let attn_p = gpu.ptr(&attn, 0);
+            let y0 = values(hidden, 47);
+            let ya = gpu.upload(&y0).unwrap();
+            w_o.gemv(&gpu, attn_p, gpu.ptr(&ya, 0), 1, true).unwrap();
+            let want = gpu.download(&ya, hidden).unwrap();
+            let yb = gpu.upload(&y0).unwrap();
+            let dg = gpu.upload(&g).unwrap();
+            let y_bf16 = gpu.alloc::<u16>(hidden).unwrap();
+            let y_bf16_p = gpu.ptr(&y_bf16, 0);
+            layers::fp4_gemv_residual(
+                &gpu,
+                &w_o,
+                attn_p,
+                gpu.ptr(&yb, 0),
+                y_bf16_p,
+                gpu.ptr(&dg, 0),
+            )
+            .unwrap();
+            let got = gpu.download(&yb, hidden).unwrap();
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-5 * w.abs().max(1.0),
+                    "{what}: y[{i}]: {g} vs {w}"
+                );
+            }
+            assert_ne!(got, y0, "{what}: y was added to");
+            let next: Vec<f32> = got.iter().zip(&g).map(|(y, g)| y * g).collect();
+            assert_eq!(
+                gpu.download(&y_bf16, hidden).unwrap(),
+                to_bf16(&next),
+                "{what}: y g as BF16"
+            );
+            // Without a next norm (the last layer), y alone.
+            let yc = gpu.upload(&y0).unwrap();
+            layers::fp4_gemv_residual(&gpu, &w_o, attn_p, gpu.ptr(&yc, 0), 0, 0).unwrap();
+            assert_eq!(
+                gpu.download(&yc, hidden).unwrap(),
+                got,
+                "{what}: y without y g"
+            );
+        }
+    }
+}
+
 /// The one-token output projection's fused form adds the same sums as the
 /// GEMV with accumulate, and writes the new residual as BF16.
 #[test]
