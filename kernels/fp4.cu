@@ -171,11 +171,15 @@ __device__ __forceinline__ void fp4_store(float* __restrict__ y, const float* __
 // (NORM_SWIGLU), so that one lane holds both sums of what it writes.
 //  - NORM_ROPE / NORM_SWIGLU: x is the residual times the norm's weights g
 //    as BF16 (the output projection before wrote it, or the embedding); the
-//    sums are scaled by 1 / rms of the f32 residual `resid` (each block sums
-//    its squares while its first copy is in flight). Then RoPE with the KV
-//    write (rope_kv_pair), or silu(gate) * up to `out`.
-//  - RESIDUAL: y += W x (accumulate), and bf16(y * g_next) to `out` for the
-//    input projection after (skipped where `out` is null).
+//    sums are scaled by 1 / rms of the f32 residual, from `sumsq_tiles`, the
+//    sums of its squares by 16 elements that the same writer left (loaded by
+//    each block as it starts, added in a fixed order after its first tile). Then
+//    RoPE with the KV write (rope_kv_pair), or silu(gate) * up to `out`.
+//  - RESIDUAL: y += W x (accumulate), and bf16(y * g_next) to `out` and each
+//    16-row tile's sum of y^2 to `sumsq_tiles` for the input projection
+//    after (skipped where `out` is null).
+// (Each block summing the whole f32 residual's squares itself, 16 KB of L2
+// read by every block at once, cost 2 us a kernel: 412 against 434 tok/s.)
 // FP4 codes cannot take the norm's weights folded in as BF16 matrices do
 // (W g would need quantizing again), so they travel with x instead.
 #define FP4_PLAIN 0
@@ -183,7 +187,7 @@ __device__ __forceinline__ void fp4_store(float* __restrict__ y, const float* __
 #define FP4_NORM_SWIGLU 2
 #define FP4_RESIDUAL 3
 struct Fp4Epilogue {
-    const float* resid;
+    float* sumsq_tiles;
     float eps;
     bf16* out;
     const float* g_next;
@@ -249,6 +253,11 @@ __device__ __forceinline__ void fp4_fused_store(const Fp4Epilogue& epi, float (*
         if (epi.out) {
             epi.out[ra] = f32_to_bf16(ya * epi.g_next[ra]);
             epi.out[rb] = f32_to_bf16(yb * epi.g_next[rb]);
+            // The tile's 16 squares over the 8 lanes (g, 0) in a fixed order.
+            float ss = ya * ya + yb * yb;
+#pragma unroll
+            for (int o = 4; o < 32; o <<= 1) ss += __shfl_xor_sync(0x11111111u, ss, o);
+            if (lane == 0) epi.sumsq_tiles[ra >> 4] = ss;
         }
     }
 }
@@ -352,16 +361,10 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     };
 #pragma unroll
     for (int s = 0; s < GEMV_STAGES - 1; s++) issue();
-    if (NORM) {  // this block's own sum of the residual's squares (L2), while the first copy flies
-        float ss = 0.0f;
-        const float4* r4 = (const float4*)epi.resid;
-        for (int i = threadIdx.x; i < cols / 4; i += GEMV_WARPS * 32) {
-            const float4 v = r4[i];
-            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        }
-        ss = warp_sum(ss);
-        if (lane == 0) sumsq[warp] = ss;  // read after the first tile's barrier
-    }
+    // The residual's sums of squares: this thread's first one loaded now,
+    // used at the end of the block's first tile, so that no one waits for it.
+    const int sumsq_count = NORM ? cols / 16 : 0;
+    const float sumsq_first = (int)threadIdx.x < sumsq_count ? epi.sumsq_tiles[threadIdx.x] : 0.0f;
 
     // This lane's x: token g (and g + 8), from the warp's first chunk.
     const bf16* const x_lane = opaque(x + (u64)g * cols + (warp << 7) + 32 * t);
@@ -433,6 +436,12 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int i = 0; i < 4; i++) partial[tl & 1][warp][nt][lane][i] = acc[nt][i];
+        if (NORM && tl == 0) {  // the block's sum of the residual's squares, by warp
+            float ss = sumsq_first;
+            for (int i = threadIdx.x + GEMV_WARPS * 32; i < sumsq_count; i += GEMV_WARPS * 32) ss += epi.sumsq_tiles[i];
+            ss = warp_sum(ss);
+            if (lane == 0) sumsq[warp] = ss;
+        }
         __syncthreads();
         if constexpr (MODE != FP4_PLAIN) {
             if (warp == 0 && t == 0) fp4_fused_store<MODE>(epi, partial[tl & 1], sumsq, lane, ra, rb, y, row_scale, rows,
@@ -484,12 +493,12 @@ extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_nv_n16(FP4_ARGS) {
 
 // The fused one-token kernels (FP4_NORM_ROPE and kin above): the GEMV's
 // arguments, then the epilogue's (those a mode does not use may be null).
-#define FP4_FUSED_ARGS FP4_ARGS, const float *__restrict__ resid, float eps, bf16 *__restrict__ out, \
+#define FP4_FUSED_ARGS FP4_ARGS, float *__restrict__ sumsq_tiles, float eps, bf16 *__restrict__ out, \
                        const float *__restrict__ g_next, const int *__restrict__ positions, \
                        const int *__restrict__ slots, bf16 *__restrict__ q_out, bf16 *__restrict__ k_cache, \
                        bf16 *__restrict__ v_cache, int n_heads, int n_kv_heads, int head_dim, float theta
 #define FP4_EPILOGUE \
-    Fp4Epilogue { resid, eps, out, g_next, {positions, slots, q_out, k_cache, v_cache, n_heads, n_kv_heads, head_dim, theta}, }
+    Fp4Epilogue { sumsq_tiles, eps, out, g_next, {positions, slots, q_out, k_cache, v_cache, n_heads, n_kv_heads, head_dim, theta}, }
 extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_mx_norm_rope_n1(FP4_FUSED_ARGS) {
     wait_for_previous_kernels();
     fp4_gemv<false, 1, FP4_NORM_ROPE>(FP4_PASS, FP4_EPILOGUE);

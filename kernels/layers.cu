@@ -5,18 +5,31 @@
 // x[t] = embedding row tokens[t], and with x_bf16 (not null; for the fused
 // one-token GEMVs, gemv.cu and fp4.cu) the row to x_bf16 too: as it is
 // (BF16), or times the first norm's weights g where g is not null (the FP4
-// kernels', whose weights cannot take g folded in). One block per token.
+// kernels', whose weights cannot take g folded in), and then the sums of
+// its squares by 16 elements to sumsq_tiles (hidden a multiple of 16; one
+// token). One block per token.
 extern "C" __global__ void embed_rows(const bf16* __restrict__ table, const int* __restrict__ tokens,
                                       float* __restrict__ x, bf16* __restrict__ x_bf16, const float* __restrict__ g,
-                                      int hidden) {
+                                      float* __restrict__ sumsq_tiles, int hidden) {
     wait_for_previous_kernels();
     const bf16* row = table + (u64)tokens[blockIdx.x] * hidden;
     float* out = x + (u64)blockIdx.x * hidden;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[i] = bf16_to_f32(row[i]);
-    if (x_bf16) {
-        const u64 at = (u64)blockIdx.x * hidden;
-        for (int i = threadIdx.x; i < hidden; i += blockDim.x)
-            x_bf16[at + i] = g ? f32_to_bf16(bf16_to_f32(row[i]) * g[i]) : row[i];
+    const u64 at = (u64)blockIdx.x * hidden;
+    // Every thread goes round the same number of times (blockDim a multiple
+    // of 32), so that 16 lanes can add up their tile's squares.
+    for (int i0 = 0; i0 < hidden; i0 += blockDim.x) {
+        const int i = i0 + threadIdx.x;
+        const float v = i < hidden ? bf16_to_f32(row[i]) : 0.0f;
+        if (i < hidden) {
+            out[i] = v;
+            if (x_bf16) x_bf16[at + i] = g ? f32_to_bf16(v * g[i]) : row[i];
+        }
+        if (sumsq_tiles) {
+            float ss = v * v;
+#pragma unroll
+            for (int o = 1; o < 16; o <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            if ((threadIdx.x & 15) == 0 && i < hidden) sumsq_tiles[i >> 4] = ss;
+        }
     }
 }
 

@@ -253,15 +253,16 @@ pub fn gemv_residual(
 
 /// `gemv_norm_rope` with FP4 weights `w` (`fp4.cu`, FP4_NORM_ROPE): `x` is
 /// the residual times the norm's weights g as BF16 (FP4 codes cannot take g
-/// folded in; the embedding or the output projection before writes it) and
-/// `resid` the f32 residual, whose RMS scales the sums.
+/// folded in) and `sumsq_tiles` the sums of the f32 residual's squares by 16
+/// elements, whose total gives the RMS that scales the sums (the embedding
+/// or the output projection before writes both).
 #[allow(clippy::too_many_arguments)]
 pub fn fp4_gemv_norm_rope(
     gpu: &Gpu,
     c: &LlamaConfig,
     w: &Fp4Weights,
     x: DevPtr,
-    resid: DevPtr,
+    sumsq_tiles: DevPtr,
     positions: DevPtr,
     slots: DevPtr,
     q_out: DevPtr,
@@ -271,11 +272,11 @@ pub fn fp4_gemv_norm_rope(
     fp4_check(w, c.q_dim() + 2 * c.kv_dim(), c.hidden)?;
     let out = RopeKvOut::new(c, positions, slots, q_out, k_cache, v_cache);
     let null: DevPtr = 0;
-    let mut epilogue: Vec<&dyn KernelArg> = vec![&resid, &c.rms_eps, &null, &null];
+    let mut epilogue: Vec<&dyn KernelArg> = vec![&sumsq_tiles, &c.rms_eps, &null, &null];
     epilogue.extend(out.args());
-    // SAFETY (kernel, with Fp4Weights::gemv_one_token's): resid and x hold
-    // `hidden` values, positions and slots one entry, q_out q_dim; the slot
-    // is in the cache.
+    // SAFETY (kernel, with Fp4Weights::gemv_one_token's): x holds `hidden`
+    // values and sumsq_tiles hidden / 16, positions and slots one entry,
+    // q_out q_dim; the slot is in the cache.
     w.gemv_one_token(gpu, "norm_rope", x, null, false, &epilogue)
 }
 
@@ -287,21 +288,23 @@ pub fn fp4_gemv_norm_swiglu(
     c: &LlamaConfig,
     w: &Fp4Weights,
     x: DevPtr,
-    resid: DevPtr,
+    sumsq_tiles: DevPtr,
     act: DevPtr,
 ) -> Result<(), GpuError> {
     fp4_check(w, 2 * c.ffn, c.hidden)?;
     let none = RopeKvOut::none();
     let null: DevPtr = 0;
-    let mut epilogue: Vec<&dyn KernelArg> = vec![&resid, &c.rms_eps, &act, &null];
+    let mut epilogue: Vec<&dyn KernelArg> = vec![&sumsq_tiles, &c.rms_eps, &act, &null];
     epilogue.extend(none.args());
-    // SAFETY (kernel): resid and x hold `hidden` values, act ffn BF16.
+    // SAFETY (kernel): x holds `hidden` values, sumsq_tiles hidden / 16, act
+    // ffn BF16.
     w.gemv_one_token(gpu, "norm_swiglu", x, null, false, &epilogue)
 }
 
 /// `gemv_residual` with FP4 weights `w` (FP4_RESIDUAL): `y += w x`, and
-/// `bf16(y * g_next)` to `y_bf16` for the next norm's input projection
-/// (nothing where `y_bf16` is 0).
+/// for the next norm's input projection `bf16(y * g_next)` to `y_bf16` and
+/// the sums of y's squares by 16 rows to `sumsq_tiles` (neither where
+/// `y_bf16` is 0).
 pub fn fp4_gemv_residual(
     gpu: &Gpu,
     w: &Fp4Weights,
@@ -309,13 +312,14 @@ pub fn fp4_gemv_residual(
     y: DevPtr,
     y_bf16: DevPtr,
     g_next: DevPtr,
+    sumsq_tiles: DevPtr,
 ) -> Result<(), GpuError> {
     let none = RopeKvOut::none();
-    let (null, eps): (DevPtr, f32) = (0, 0.0);
-    let mut epilogue: Vec<&dyn KernelArg> = vec![&null, &eps, &y_bf16, &g_next];
+    let eps = 0.0f32;
+    let mut epilogue: Vec<&dyn KernelArg> = vec![&sumsq_tiles, &eps, &y_bf16, &g_next];
     epilogue.extend(none.args());
-    // SAFETY (kernel): x holds `cols` BF16 values, y `rows` f32, y_bf16 and
-    // g_next `rows` values where y_bf16 is not 0.
+    // SAFETY (kernel): x holds `cols` BF16 values, y `rows` f32; where y_bf16
+    // is not 0, it and g_next hold `rows` values and sumsq_tiles rows / 16.
     w.gemv_one_token(gpu, "residual", x, y, true, &epilogue)
 }
 

@@ -588,9 +588,10 @@ impl CudaLlama {
         // SAFETY (all launches): the buffers were sized by `reserve` for n
         // tokens and m logit rows; the index arrays hold n (or m) entries.
         let x_bf16 = if fused || fused_fp4 { xn } else { null };
-        let first_norm = match self.layers.first() {
-            Some(l) if fused_fp4 => p(&l.attn_norm),
-            _ => null,
+        let sumsq = p(&ws.sumsq_tiles);
+        let (first_norm, embed_sumsq) = match self.layers.first() {
+            Some(l) if fused_fp4 => (p(&l.attn_norm), sumsq),
+            _ => (null, null),
         };
         gpu.launch(
             "embed_rows",
@@ -601,6 +602,7 @@ impl CudaLlama {
                 &x,
                 &x_bf16,
                 &first_norm,
+                &embed_sumsq,
                 &h32,
             ],
         )?;
@@ -613,11 +615,14 @@ impl CudaLlama {
                     Some(next) => (xn, p(&next.attn_norm)),
                     None => (null, null),
                 };
-                layers::fp4_gemv_norm_rope(gpu, c, wqkv, xn, x, pos, slots, qb, k_cache, v_cache)?;
+                layers::fp4_gemv_norm_rope(
+                    gpu, c, wqkv, xn, sumsq, pos, slots, qb, k_cache, v_cache,
+                )?;
                 launch_attention(gpu, c, ws, plan, meta, qb, k_cache, v_cache, attn)?;
-                layers::fp4_gemv_residual(gpu, wo, attn, x, xn, p(&layer.ffn_norm))?;
-                layers::fp4_gemv_norm_swiglu(gpu, c, w_gate_up, xn, x, act)?;
-                layers::fp4_gemv_residual(gpu, w_down, act, x, next_in, next_norm)?;
+                let ffn_norm = p(&layer.ffn_norm);
+                layers::fp4_gemv_residual(gpu, wo, attn, x, xn, ffn_norm, sumsq)?;
+                layers::fp4_gemv_norm_swiglu(gpu, c, w_gate_up, xn, sumsq, act)?;
+                layers::fp4_gemv_residual(gpu, w_down, act, x, next_in, next_norm, sumsq)?;
                 continue;
             }
             if let Some([wqkv, wo, w_gate_up, w_down]) = layer.bf16_weights().filter(|_| fused) {
@@ -940,6 +945,9 @@ pub struct Workspace {
     /// The normalized rows (BF16); in a fused one-token step, the norm's
     /// input instead: the residual as BF16.
     xn: CudaSlice<Bf16>,
+    /// In a fused one-token FP4 step, the residual's sums of squares by 16
+    /// elements, which the writer of `xn` leaves for the RMS (fp4.cu).
+    sumsq_tiles: CudaSlice<f32>,
     qkv: CudaSlice<f32>,
     q: CudaSlice<Bf16>,
     attn: CudaSlice<Bf16>,
@@ -999,6 +1007,7 @@ impl Workspace {
             splits: 0,
             x: gpu.alloc(1)?,
             xn: gpu.alloc(1)?,
+            sumsq_tiles: gpu.alloc(1)?,
             qkv: gpu.alloc(1)?,
             q: gpu.alloc(1)?,
             attn: gpu.alloc(1)?,
@@ -1075,6 +1084,7 @@ impl Workspace {
             let (h, q, kv, ffn) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
             self.x = gpu.alloc(n * h)?;
             self.xn = gpu.alloc(n * h)?;
+            self.sumsq_tiles = gpu.alloc(h.div_ceil(16))?;
             self.qkv = gpu.alloc(n * (q + 2 * kv))?;
             self.q = gpu.alloc(n * q)?;
             self.attn = gpu.alloc(n * q)?;

@@ -462,11 +462,20 @@ fn fused_one_token_gemvs_equal_the_separate_kernels() {
     }
 }
 
+/// Sums of squares of `x` by 16 elements (what the fused FP4 GEMVs' RMS
+/// reads).
+fn sumsq_tiles(x: &[f32]) -> Vec<f32> {
+    x.chunks(16)
+        .map(|c| c.iter().map(|v| v * v).sum())
+        .collect()
+}
+
 /// The FP4 one-token fused GEMVs (`fp4.cu`, FP4_NORM_ROPE and kin) against
 /// the separate kernels they stand for: RMSNorm with weights g, the FP4
 /// GEMV, RoPE with the KV write or SwiGLU; and the output projection's form
 /// against the GEMV with accumulate. The fused input projections take x g
-/// as BF16 and the f32 residual's RMS. Where x = +-2 (1 / rms = 0.5 exactly,
+/// as BF16 and the f32 residual's sums of squares by 16 elements, which the
+/// output projection's form writes. Where x = +-2 (1 / rms = 0.5 exactly,
 /// eps 0) and g is a power of two, both multiply the same codes by x g / 2
 /// and x g summed in the same order, so they give the same bits; elsewhere
 /// they differ in where BF16 rounds.
@@ -530,16 +539,17 @@ fn fused_fp4_one_token_gemvs_equal_the_separate_kernels() {
             };
             let fused = |x: &[f32], g: &[f32]| {
                 let xg: Vec<f32> = x.iter().zip(g).map(|(x, g)| x * g).collect();
-                let (dx, dxg) = (gpu.upload(x).unwrap(), gpu.upload(&to_bf16(&xg)).unwrap());
-                let (dx_p, xg_p) = (gpu.ptr(&dx, 0), gpu.ptr(&dxg, 0));
+                let dxg = gpu.upload(&to_bf16(&xg)).unwrap();
+                let dss = gpu.upload(&sumsq_tiles(x)).unwrap();
+                let (ss_p, xg_p) = (gpu.ptr(&dss, 0), gpu.ptr(&dxg, 0));
                 let kv = CudaKvCache::new(&gpu, &c, 8, block_size).unwrap();
                 let (k, v) = kv.layer(&gpu, 0);
                 let q = gpu.alloc::<u16>(q_dim).unwrap();
                 let q_p = gpu.ptr(&q, 0);
-                layers::fp4_gemv_norm_rope(&gpu, &c, &w_qkv, xg_p, dx_p, pos_p, slot_p, q_p, k, v)
+                layers::fp4_gemv_norm_rope(&gpu, &c, &w_qkv, xg_p, ss_p, pos_p, slot_p, q_p, k, v)
                     .unwrap();
                 let act = gpu.alloc::<u16>(ffn).unwrap();
-                layers::fp4_gemv_norm_swiglu(&gpu, &c, &w_gate_up, xg_p, dx_p, gpu.ptr(&act, 0))
+                layers::fp4_gemv_norm_swiglu(&gpu, &c, &w_gate_up, xg_p, ss_p, gpu.ptr(&act, 0))
                     .unwrap();
                 FusedOutputs {
                     q: gpu.download(&q, q_dim).unwrap(),
@@ -600,15 +610,9 @@ fn fused_fp4_one_token_gemvs_equal_the_separate_kernels() {
             let dg = gpu.upload(&g).unwrap();
             let y_bf16 = gpu.alloc::<u16>(hidden).unwrap();
             let y_bf16_p = gpu.ptr(&y_bf16, 0);
-            layers::fp4_gemv_residual(
-                &gpu,
-                &w_o,
-                attn_p,
-                gpu.ptr(&yb, 0),
-                y_bf16_p,
-                gpu.ptr(&dg, 0),
-            )
-            .unwrap();
+            let ss = gpu.alloc::<f32>(hidden / 16).unwrap();
+            let (yb_p, dg_p, ss_p) = (gpu.ptr(&yb, 0), gpu.ptr(&dg, 0), gpu.ptr(&ss, 0));
+            layers::fp4_gemv_residual(&gpu, &w_o, attn_p, yb_p, y_bf16_p, dg_p, ss_p).unwrap();
             let got = gpu.download(&yb, hidden).unwrap();
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert!(
@@ -623,9 +627,16 @@ fn fused_fp4_one_token_gemvs_equal_the_separate_kernels() {
                 to_bf16(&next),
                 "{what}: y g as BF16"
             );
+            let got_ss = gpu.download(&ss, hidden / 16).unwrap();
+            for (i, (g, w)) in got_ss.iter().zip(sumsq_tiles(&got)).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-5 * w,
+                    "{what}: sum of squares {i}: {g} vs {w}"
+                );
+            }
             // Without a next norm (the last layer), y alone.
             let yc = gpu.upload(&y0).unwrap();
-            layers::fp4_gemv_residual(&gpu, &w_o, attn_p, gpu.ptr(&yc, 0), 0, 0).unwrap();
+            layers::fp4_gemv_residual(&gpu, &w_o, attn_p, gpu.ptr(&yc, 0), 0, 0, 0).unwrap();
             assert_eq!(
                 gpu.download(&yc, hidden).unwrap(),
                 got,
