@@ -165,10 +165,13 @@ __device__ __forceinline__ void fp4_store(float* __restrict__ y, const float* __
 
 // What a one-token GEMV does with its sums besides storing them: the
 // fused batch-1 path of the fast numerics (model.rs), the FP4 kin of
-// gemv.cu's fused kernels. The row tiles are paired for it: a lane's rows g
-// and g + 8 of the plain tile become rows (2i, 2i + 1) of a tile (NORM_ROPE:
-// the pair RoPE rotates together) or gate row i and its up row ffn + i
-// (NORM_SWIGLU), so that one lane holds both sums of what it writes.
+// gemv.cu's fused kernels. A lane holds both sums of what it writes: its
+// rows g and g + 8 of a tile are rows (2i, 2i + 1) under NORM_ROPE (the pair
+// RoPE rotates together), and gate row i and its up row under NORM_SWIGLU
+// (whose weights come with gate and up rows in alternate runs of 8, so a
+// tile is 8 of each: model.rs, GATE_UP_RUN; reading a tile's gate and up
+// rows from the two halves of the stacked matrix, 29 MB apart, made the
+// kernel 3 us slower than the plain GEMV under ncu).
 //  - NORM_ROPE / NORM_SWIGLU: x is the residual times the norm's weights g
 //    as BF16 (the output projection before wrote it, or the embedding); the
 //    sums are scaled by 1 / rms of the f32 residual, from `sumsq_tiles`, the
@@ -197,13 +200,11 @@ struct Fp4Epilogue {
 // Rows a and b (= a + b_rows) of lane row g in 16-row tile `tile` (MODE above).
 template <int MODE>
 __device__ __forceinline__ int fp4_tile_row(int tile, int g) {
-    if (MODE == FP4_NORM_ROPE) return tile * 16 + 2 * g;
-    if (MODE == FP4_NORM_SWIGLU) return tile * 8 + g;
-    return tile * 16 + g;
+    return MODE == FP4_NORM_ROPE ? tile * 16 + 2 * g : tile * 16 + g;
 }
 template <int MODE>
-__device__ __forceinline__ int fp4_b_rows(int rows) {
-    return MODE == FP4_NORM_ROPE ? 1 : MODE == FP4_NORM_SWIGLU ? rows / 2 : 8;
+__device__ __forceinline__ int fp4_b_rows() {
+    return MODE == FP4_NORM_ROPE ? 1 : 8;
 }
 
 // The GEMV's pipeline: each warp copies its next chunk into shared memory
@@ -245,7 +246,7 @@ __device__ __forceinline__ void fp4_fused_store(const Fp4Epilogue& epi, float (*
     if (MODE == FP4_NORM_ROPE) {
         rope_kv_pair(epi.rope, 0, ra, va, vb);
     } else if (MODE == FP4_NORM_SWIGLU) {
-        epi.out[ra] = f32_to_bf16(silu_times(va, vb));
+        epi.out[(ra >> 4) * 8 + (ra & 7)] = f32_to_bf16(silu_times(va, vb));
     } else {  // FP4_RESIDUAL
         const float ya = y[ra] + va, yb = y[rb] + vb;
         y[ra] = ya;
@@ -309,14 +310,14 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     int issued = 0, tile_left = 0, next_tile = blockIdx.y, next_k = 0;
     u32 next_a = 0, next_s = 0;
     bool next_ina = false, next_inb = false, next_ins = false, next_whole = false;
-    const u32 b_off = (u32)fp4_b_rows<MODE>(rows) * (u32)row_bytes;
+    const u32 b_off = (u32)fp4_b_rows<MODE>() * (u32)row_bytes;
     const bool copies_scales = scales_staged && t < 2;
     // Copies the next item into its stage and commits a group (an empty one
     // past the last item, so that the wait below always counts the same).
     auto issue = [&]() {
         if (issued < items) {
             if (tile_left == 0) {
-                const int ra = fp4_tile_row<MODE>(next_tile, g), rb = ra + fp4_b_rows<MODE>(rows);
+                const int ra = fp4_tile_row<MODE>(next_tile, g), rb = ra + fp4_b_rows<MODE>();
                 const int rs = t == 0 ? ra : rb;
                 next_ina = ra < rows;
                 next_inb = rb < rows;
@@ -373,7 +374,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     for (int nt = 0; nt < NT; nt++) tok_in[nt] = nt * 8 + g < n;
     int item = 0;
     for (int tl = 0; tl < my_tiles; tl++) {
-        const int ra = fp4_tile_row<MODE>((int)blockIdx.y + tl * (int)gridDim.y, g), rb = ra + fp4_b_rows<MODE>(rows);
+        const int ra = fp4_tile_row<MODE>((int)blockIdx.y + tl * (int)gridDim.y, g), rb = ra + fp4_b_rows<MODE>();
         float acc[NT][4];
 #pragma unroll
         for (int i = 0; i < NT; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;

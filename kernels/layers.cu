@@ -107,12 +107,17 @@ extern "C" __global__ void rope_store_kv(const float* __restrict__ qkv, const in
     }
 }
 
-// gate_up: one f32 row per token, [gate (ffn) | up (ffn)]; out = bf16(silu(gate) * up).
-extern "C" __global__ void silu_mul(const float* __restrict__ gate_up, bf16* __restrict__ out, int ffn, u64 n) {
+// gate_up: one f32 row per token, [gate (ffn) | up (ffn)] where run is 0,
+// else gate and up in alternate runs of `run` (gate 0..run-1, up 0..run-1,
+// gate run.., as FP4 weights are stored: model.rs, GATE_UP_RUN);
+// out = bf16(silu(gate) * up).
+extern "C" __global__ void silu_mul(const float* __restrict__ gate_up, bf16* __restrict__ out, int ffn, int run,
+                                    u64 n) {
     wait_for_previous_kernels();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n * ffn; i += (u64)gridDim.x * blockDim.x) {
         const u64 t = i / ffn, j = i % ffn;
-        const float g = gate_up[t * 2 * ffn + j], u = gate_up[t * 2 * ffn + ffn + j];
+        const u64 at = run ? j / run * 2 * run + j % run : j, up = run ? (u64)run : (u64)ffn;
+        const float g = gate_up[t * 2 * ffn + at], u = gate_up[t * 2 * ffn + at + up];
         out[i] = f32_to_bf16(silu_times(g, u));
     }
 }

@@ -241,6 +241,18 @@ impl Fp4Matrix {
         out
     }
 
+    /// Rows `start .. start + count` as a matrix of their own (the same
+    /// tensor scale).
+    pub fn row_range(&self, start: usize, count: usize) -> Fp4Matrix {
+        let (code_row, scale_row) = (self.cols / 2, self.cols / self.format.block());
+        Fp4Matrix {
+            rows: count,
+            codes: self.codes[start * code_row..(start + count) * code_row].to_vec(),
+            scales: self.scales[start * scale_row..(start + count) * scale_row].to_vec(),
+            ..*self
+        }
+    }
+
     /// Bytes stored: codes and scales (and the tensor scale).
     pub fn bytes(&self) -> usize {
         self.codes.len() + self.scales.len() + 4

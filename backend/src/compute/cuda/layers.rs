@@ -280,9 +280,9 @@ pub fn fp4_gemv_norm_rope(
     w.gemv_one_token(gpu, "norm_rope", x, null, false, &epilogue)
 }
 
-/// `gemv_norm_swiglu` with FP4 weights `w` (FP4_NORM_SWIGLU): the stacked
-/// [gate | up] rows times x (as in `fp4_gemv_norm_rope`), `act =
-/// bf16(silu(gate) * up)`.
+/// `gemv_norm_swiglu` with FP4 weights `w` (FP4_NORM_SWIGLU): gate and up
+/// rows in alternate runs of 8 (model.rs, `GATE_UP_RUN`) times x (as in
+/// `fp4_gemv_norm_rope`), `act = bf16(silu(gate) * up)`.
 pub fn fp4_gemv_norm_swiglu(
     gpu: &Gpu,
     c: &LlamaConfig,
@@ -337,19 +337,27 @@ fn fp4_check(w: &Fp4Weights, rows: usize, cols: usize) -> Result<(), GpuError> {
 /// The fused GEMVs' block (`GEMV_THREADS` in gemv.cu).
 const GEMV_THREADS: u32 = 128;
 
-/// `act = bf16(silu(gate) * up)` for `n` rows of `[gate | up]` (f32, 2 ffn).
+/// `act = bf16(silu(gate) * up)` for `n` rows of gate and up (f32, 2 ffn):
+/// `[gate | up]` where `run` is 0, else alternate runs of `run` gate and
+/// `run` up values (FP4 weights' order, model.rs `GATE_UP_RUN`).
 pub fn silu_mul(
     gpu: &Gpu,
     gate_up: DevPtr,
     act: DevPtr,
     n: usize,
     ffn: usize,
+    run: usize,
 ) -> Result<(), GpuError> {
+    if run != 0 && !ffn.is_multiple_of(run) {
+        return Err(GpuError::Other(format!(
+            "gate and up in runs of {run} need an FFN size that is a multiple of it, not {ffn}"
+        )));
+    }
     // SAFETY (kernel): gate_up holds n rows of 2 ffn, act n rows of ffn.
     gpu.launch(
         "silu_mul",
         elementwise(n * ffn),
-        &[&gate_up, &act, &(ffn as i32), &(n as u64)],
+        &[&gate_up, &act, &(ffn as i32), &(run as i32), &(n as u64)],
     )
 }
 

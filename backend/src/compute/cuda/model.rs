@@ -45,6 +45,13 @@ fn attention_smem(head_dim: usize, rows: usize) -> u32 {
         + KEY_TILE * head_dim * 2) as u32
 }
 
+/// FP4 gate and up weights go to the GPU with their rows in alternate runs
+/// of this many (gate rows 8k .. 8k + 7, then up rows 8k .. 8k + 7), so that
+/// a 16-row tile of the fused one-token GEMV is 8 gate rows and their up
+/// rows, read as one piece (fp4.cu, FP4_NORM_SWIGLU); `silu_mul` takes the
+/// order in every other step. BF16 keeps [gate | up].
+const GATE_UP_RUN: usize = 8;
+
 /// A linear layer's weights (rows x cols, row-major).
 #[derive(Debug)]
 enum Linear {
@@ -59,6 +66,31 @@ impl Linear {
             Linear::Bf16(w) => w.len() * 2,
             Linear::Fp4(w) => w.bytes(),
         }
+    }
+
+    /// The gate and up projections as one matrix, and the run in which their
+    /// rows alternate: FP4 in runs of GATE_UP_RUN where the FFN size takes
+    /// it, else stacked ([gate | up], run 0; BF16 with `g` folded in).
+    fn gate_up(
+        gpu: &Gpu,
+        gate: &Weight,
+        up: &Weight,
+        cols: usize,
+        g: &[f32],
+    ) -> Result<(Linear, usize), GpuError> {
+        if let (Weight::Fp4(a), Weight::Fp4(b)) = (gate, up)
+            && a.rows == b.rows
+            && a.rows.is_multiple_of(GATE_UP_RUN)
+            && a.format == b.format
+            && cols.is_multiple_of(FP4_COLS_MULTIPLE)
+        {
+            let runs: Vec<Fp4Matrix> = (0..a.rows / GATE_UP_RUN)
+                .flat_map(|k| [a, b].map(|m| m.row_range(k * GATE_UP_RUN, GATE_UP_RUN)))
+                .collect();
+            let parts: Vec<&Fp4Matrix> = runs.iter().collect();
+            return Ok((Linear::Fp4(Fp4Weights::stack(gpu, &parts)?), GATE_UP_RUN));
+        }
+        Ok((Linear::stacked(gpu, &[gate, up], cols, Some(g))?, 0))
     }
 
     /// The matrix of `parts` stacked by rows (each `rows x cols` as given):
@@ -112,8 +144,10 @@ struct CudaLayer {
     wo: Linear,
     /// The weights `rms_norm` applies before gate/up: ones where folded.
     ffn_norm: CudaSlice<f32>,
-    /// [2 ffn, hidden]: gate rows, then up rows.
+    /// [2 ffn, hidden]: gate rows, then up rows; or, where `gate_up_run`
+    /// is not 0, the two in alternate runs of that many rows.
     w_gate_up: Linear,
+    gate_up_run: usize,
     /// [hidden, ffn]
     w_down: Linear,
 }
@@ -130,10 +164,13 @@ impl CudaLayer {
     }
 
     /// QKV, o, gate/up and down, when all four are FP4 that the fused
-    /// one-token GEMVs take (the Hopper kernels' order, whole 16-row tiles).
+    /// one-token GEMVs take (the Hopper kernels' order, whole 16-row tiles,
+    /// gate and up in runs of GATE_UP_RUN).
     fn fp4_weights(&self) -> Option<[&Fp4Weights; 4]> {
         match (&self.wqkv, &self.wo, &self.w_gate_up, &self.w_down) {
-            (Linear::Fp4(qkv), Linear::Fp4(o), Linear::Fp4(gate_up), Linear::Fp4(down)) => {
+            (Linear::Fp4(qkv), Linear::Fp4(o), Linear::Fp4(gate_up), Linear::Fp4(down))
+                if self.gate_up_run == GATE_UP_RUN =>
+            {
                 let all = [qkv, o, gate_up, down];
                 all.iter()
                     .all(|w| !w.file_order && w.rows.is_multiple_of(FP4_FUSED_ROWS_MULTIPLE))
@@ -239,13 +276,15 @@ impl CudaLlama {
         };
         for l in layers_w {
             let wqkv = Linear::stacked(&gpu, &[&l.wq, &l.wk, &l.wv], h, Some(&l.attn_norm))?;
-            let w_gate_up = Linear::stacked(&gpu, &[&l.w_gate, &l.w_up], h, Some(&l.ffn_norm))?;
+            let (w_gate_up, gate_up_run) =
+                Linear::gate_up(&gpu, &l.w_gate, &l.w_up, h, &l.ffn_norm)?;
             layers.push(CudaLayer {
                 attn_norm: applied(&wqkv, &l.attn_norm)?,
                 wqkv,
                 wo: Linear::stacked(&gpu, &[&l.wo], q, None)?,
                 ffn_norm: applied(&w_gate_up, &l.ffn_norm)?,
                 w_gate_up,
+                gate_up_run,
                 w_down: Linear::stacked(&gpu, &[&l.w_down], ffn, None)?,
             });
             gpu.synchronize()?;
@@ -323,6 +362,11 @@ impl CudaLlama {
                 wo: linear(h, q)?,
                 ffn_norm: gpu.upload(&vec![1.0f32; h])?,
                 w_gate_up: linear(2 * ffn, h)?,
+                // Random FP4 codes: read in runs where the kernels take them.
+                gate_up_run: match fp4 {
+                    Some(_) if ffn.is_multiple_of(GATE_UP_RUN) => GATE_UP_RUN,
+                    _ => 0,
+                },
                 w_down: linear(h, ffn)?,
             });
         }
@@ -640,7 +684,7 @@ impl CudaLlama {
             linear(&layer.wo, attn, x, h, q_dim, true)?;
             layers::rms_norm(gpu, x, null, p(&layer.ffn_norm), xn, n, h, eps)?;
             linear(&layer.w_gate_up, xn, gate_up, 2 * ffn, h, false)?;
-            layers::silu_mul(gpu, gate_up, act, n, ffn)?;
+            layers::silu_mul(gpu, gate_up, act, n, ffn, layer.gate_up_run)?;
             linear(&layer.w_down, act, x, h, ffn, true)?;
         }
         if m > 0 {

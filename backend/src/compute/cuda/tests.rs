@@ -135,15 +135,24 @@ fn rms_norm_silu_and_argmax_match_the_cpu() {
     let gate_up: Vec<f32> = values(n * 2 * ffn, 3).iter().map(|v| v * 6.0).collect();
     let dg = gpu.upload(&gate_up).unwrap();
     let act = gpu.alloc::<u16>(n * ffn).unwrap();
-    layers::silu_mul(&gpu, gpu.ptr(&dg, 0), gpu.ptr(&act, 0), n, ffn).unwrap();
-    let got = from_bf16(&gpu.download(&act, n * ffn).unwrap());
-    let want: Vec<f32> = (0..n * ffn)
-        .map(|i| {
-            let (t, j) = (i / ffn, i % ffn);
-            silu(gate_up[t * 2 * ffn + j]) * gate_up[t * 2 * ffn + ffn + j]
-        })
-        .collect();
-    assert_bf16_close(&got, &want, "silu_mul");
+    // [gate | up], and gate and up in alternate runs of 4 (FP4's order).
+    for run in [0, 4] {
+        layers::silu_mul(&gpu, gpu.ptr(&dg, 0), gpu.ptr(&act, 0), n, ffn, run).unwrap();
+        let got = from_bf16(&gpu.download(&act, n * ffn).unwrap());
+        let want: Vec<f32> = (0..n * ffn)
+            .map(|i| {
+                let (row, j) = (&gate_up[i / ffn * 2 * ffn..], i % ffn);
+                match run {
+                    0 => silu(row[j]) * row[ffn + j],
+                    _ => {
+                        silu(row[j / run * 2 * run + j % run])
+                            * row[j / run * 2 * run + run + j % run]
+                    }
+                }
+            })
+            .collect();
+        assert_bf16_close(&got, &want, &format!("silu_mul, runs of {run}"));
+    }
 
     let vocab = 49_152;
     let mut logits = values(3 * vocab, 4);
@@ -375,7 +384,7 @@ fn fused_one_token_gemvs_equal_the_separate_kernels() {
             gpu.gemv_bf16(gpu.ptr(&dw, 0), xn_p, gate_up_p, 1, 2 * ffn, hidden, false)
                 .unwrap();
             let act = gpu.alloc::<u16>(ffn).unwrap();
-            layers::silu_mul(&gpu, gate_up_p, gpu.ptr(&act, 0), 1, ffn).unwrap();
+            layers::silu_mul(&gpu, gate_up_p, gpu.ptr(&act, 0), 1, ffn, 0).unwrap();
             FusedOutputs {
                 q: gpu.download(&q, q_dim).unwrap(),
                 kv: kv.read_layer(&gpu, 0).unwrap(),
@@ -530,7 +539,8 @@ fn fused_fp4_one_token_gemvs_equal_the_separate_kernels() {
                 let gate_up_p = gpu.ptr(&gate_up, 0);
                 w_gate_up.gemv(&gpu, xn_p, gate_up_p, 1, false).unwrap();
                 let act = gpu.alloc::<u16>(ffn).unwrap();
-                layers::silu_mul(&gpu, gate_up_p, gpu.ptr(&act, 0), 1, ffn).unwrap();
+                // FP4 gate/up rows alternate in runs of 8 (GATE_UP_RUN).
+                layers::silu_mul(&gpu, gate_up_p, gpu.ptr(&act, 0), 1, ffn, 8).unwrap();
                 FusedOutputs {
                     q: gpu.download(&q, q_dim).unwrap(),
                     kv: kv.read_layer(&gpu, 0).unwrap(),
