@@ -74,6 +74,15 @@ impl SplitPolicy {
     }
 }
 
+/// Whether a step of `decode_rows` decode tokens merges its splits in
+/// clusters of up to `cluster_splits`: one token only. At batch 8 (5 splits
+/// a sequence either way) the cluster kernel cost the 8B MXFP4 model 11% of
+/// its tokens/s (1,973-1,983 against 2,229-2,246 with the combine) and BF16
+/// nothing; at batch 1 it gains BF16 0.4-0.9 points (BENCHMARKS.md).
+fn in_clusters(cluster_splits: usize, decode_rows: usize) -> bool {
+    cluster_splits > 1 && decode_rows == 1
+}
+
 /// A step's batch, laid out for the kernels (host side).
 #[derive(Debug, Default, PartialEq)]
 pub(crate) struct StepPlan {
@@ -176,11 +185,11 @@ impl StepPlan {
             } => {
                 let blocks = (p.decode_rows.len() * n_kv_heads).max(1);
                 let mut wanted = (2 * sm_count as usize).div_ceil(blocks).clamp(1, 32);
-                // Short sequences: two tiles a block and no combine launch
-                // beat one tile a block and a combine (1,088 keys at batch 1
-                // on the H200: 9 splits in clusters against 17 and a
-                // combine; BENCHMARKS.md).
-                if cluster_splits > 1 && tiles <= 2 * cluster_splits {
+                // A short sequence alone: two tiles a block and no combine
+                // launch beat one tile a block and a combine (1,088 keys at
+                // batch 1 on the H200: 9 splits in clusters against 17 and
+                // a combine; BENCHMARKS.md).
+                if in_clusters(cluster_splits, p.decode_rows.len()) && tiles <= 2 * cluster_splits {
                     wanted = wanted.min(cluster_splits);
                 }
                 tiles.div_ceil(wanted)
@@ -189,7 +198,8 @@ impl StepPlan {
         p.decode_keys_per_split = per_split_tiles * KEY_TILE;
         p.decode_splits = tiles.div_ceil(per_split_tiles);
         p.decode_in_clusters = matches!(splits, SplitPolicy::FillGpu { cluster_splits, .. }
-            if (2..=cluster_splits).contains(&p.decode_splits));
+            if in_clusters(cluster_splits, p.decode_rows.len())
+                && (2..=cluster_splits).contains(&p.decode_splits));
         p
     }
 
@@ -373,6 +383,12 @@ mod tests {
         assert_eq!(
             split(StepPlan::new(&many, 16, 4, clustered)),
             (1, 1024, false)
+        );
+        // More than one decode token: the combine, whatever the split.
+        let eight: Vec<SeqChunk<'_>> = (0..8).map(|_| longer(1088)[0]).collect();
+        assert_eq!(
+            split(StepPlan::new(&eight, 16, 4, clustered)),
+            (5, 256, false)
         );
     }
 }

@@ -791,22 +791,26 @@ fn paged_attention_matches_the_cpu_for_decode_and_prefill() {
             &v_host,
         );
         // Without it: 5 splits of 256 keys (Fixed), merged by
-        // attention_combine, and, filling the GPU, 10 of 128 that merge
-        // inside clusters where the GPU has them (19 of 64 where not).
+        // attention_combine, and, filling the GPU, 19 of 64, also merged by
+        // the combine; the decode at 1200 alone (one decode token), 10 of
+        // 128 that merge inside clusters where the GPU has them (19 of 64
+        // where not).
         let fill = SplitPolicy::for_numerics(Numerics::Fast, &gpu, n_kv_heads);
         let clusters = gpu.has_clusters();
         let fill_splits = if clusters { 10 } else { 19 };
-        for (policy, split) in [
-            (SplitPolicy::Fixed, (5, false)),
-            (fill, (fill_splits, clusters)),
+        for (policy, count, split) in [
+            (SplitPolicy::Fixed, 3, (5, false)),
+            (fill, 3, (19, false)),
+            (fill, 2, (fill_splits, clusters)),
         ] {
-            let plan = StepPlan::new(&chunks[..3], block_size, group, policy);
+            let plan = StepPlan::new(&chunks[..count], block_size, group, policy);
             assert_eq!(
                 (plan.decode_splits, plan.decode_in_clusters),
                 split,
-                "{policy:?}"
+                "{policy:?}, {count} chunks"
             );
-            check_attention(&gpu, &c, &kv, &plan, &[&t0, &t1, &t0], &k_host, &v_host);
+            let tables: [&[u32]; 3] = [&t0, &t1, &t0];
+            check_attention(&gpu, &c, &kv, &plan, &tables[..count], &k_host, &v_host);
         }
     }
 }
