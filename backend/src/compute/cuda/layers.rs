@@ -270,14 +270,18 @@ pub fn fp4_gemv_norm_rope(
     v_cache: DevPtr,
 ) -> Result<(), GpuError> {
     fp4_check(w, c.q_dim() + 2 * c.kv_dim(), c.hidden)?;
-    let out = RopeKvOut::new(c, positions, slots, q_out, k_cache, v_cache);
-    let null: DevPtr = 0;
-    let mut epilogue: Vec<&dyn KernelArg> = vec![&sumsq_tiles, &c.rms_eps, &null, &null];
-    epilogue.extend(out.args());
+    let rope = RopeKvOut::new(c, positions, slots, q_out, k_cache, v_cache);
     // SAFETY (kernel, with Fp4Weights::gemv_one_token's): x holds `hidden`
     // values and sumsq_tiles hidden / 16, positions and slots one entry,
     // q_out q_dim; the slot is in the cache.
-    w.gemv_one_token(gpu, "norm_rope", x, null, false, &epilogue)
+    let epilogue = Fp4Epilogue {
+        sumsq_tiles,
+        eps: c.rms_eps,
+        out: 0,
+        g_next: 0,
+        rope,
+    };
+    epilogue.launch(gpu, w, "norm_rope", x, 0, false)
 }
 
 /// `gemv_norm_swiglu` with FP4 weights `w` (FP4_NORM_SWIGLU): gate and up
@@ -292,13 +296,16 @@ pub fn fp4_gemv_norm_swiglu(
     act: DevPtr,
 ) -> Result<(), GpuError> {
     fp4_check(w, 2 * c.ffn, c.hidden)?;
-    let none = RopeKvOut::none();
-    let null: DevPtr = 0;
-    let mut epilogue: Vec<&dyn KernelArg> = vec![&sumsq_tiles, &c.rms_eps, &act, &null];
-    epilogue.extend(none.args());
     // SAFETY (kernel): x holds `hidden` values, sumsq_tiles hidden / 16, act
     // ffn BF16.
-    w.gemv_one_token(gpu, "norm_swiglu", x, null, false, &epilogue)
+    let epilogue = Fp4Epilogue {
+        sumsq_tiles,
+        eps: c.rms_eps,
+        out: act,
+        g_next: 0,
+        rope: RopeKvOut::none(),
+    };
+    epilogue.launch(gpu, w, "norm_swiglu", x, 0, false)
 }
 
 /// `gemv_residual` with FP4 weights `w` (FP4_RESIDUAL): `y += w x`, and
@@ -314,13 +321,44 @@ pub fn fp4_gemv_residual(
     g_next: DevPtr,
     sumsq_tiles: DevPtr,
 ) -> Result<(), GpuError> {
-    let none = RopeKvOut::none();
-    let eps = 0.0f32;
-    let mut epilogue: Vec<&dyn KernelArg> = vec![&sumsq_tiles, &eps, &y_bf16, &g_next];
-    epilogue.extend(none.args());
     // SAFETY (kernel): x holds `cols` BF16 values, y `rows` f32; where y_bf16
     // is not 0, it and g_next hold `rows` values and sumsq_tiles rows / 16.
-    w.gemv_one_token(gpu, "residual", x, y, true, &epilogue)
+    let epilogue = Fp4Epilogue {
+        sumsq_tiles,
+        eps: 0.0,
+        out: y_bf16,
+        g_next,
+        rope: RopeKvOut::none(),
+    };
+    epilogue.launch(gpu, w, "residual", x, y, true)
+}
+
+/// The fused FP4 kernels' parameters after the GEMV's (`fp4.cu`,
+/// FP4_FUSED_ARGS; those a kernel does not use 0).
+struct Fp4Epilogue {
+    sumsq_tiles: DevPtr,
+    eps: f32,
+    out: DevPtr,
+    g_next: DevPtr,
+    rope: RopeKvOut,
+}
+
+impl Fp4Epilogue {
+    /// Launches `fp4_gemv_*_{kernel}_n1` of `w` for one token.
+    fn launch(
+        &self,
+        gpu: &Gpu,
+        w: &Fp4Weights,
+        kernel: &str,
+        x: DevPtr,
+        y: DevPtr,
+        accumulate: bool,
+    ) -> Result<(), GpuError> {
+        let mut args: Vec<&dyn KernelArg> =
+            vec![&self.sumsq_tiles, &self.eps, &self.out, &self.g_next];
+        args.extend(self.rope.args());
+        w.gemv_one_token(gpu, kernel, x, y, accumulate, &args)
+    }
 }
 
 /// A fused FP4 GEMV's matrix against the shape its epilogue writes.

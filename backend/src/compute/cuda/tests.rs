@@ -324,6 +324,58 @@ struct FusedOutputs {
     act: Vec<u16>,
 }
 
+/// A fused one-token kernel set's outputs (`fused`) against the separate
+/// kernels' (`separate`), each called with a residual x and norm weights g:
+/// the same bits where x = +-2 (1 / rms = 0.5 exactly, eps 0) and g is a
+/// power of two; for any x and g, within a few BF16 roundings (1/64) of the
+/// largest value. K and V must have been written at `kv_at`.
+fn assert_fused_equals_separate(
+    hidden: usize,
+    kv_at: std::ops::Range<usize>,
+    what: &str,
+    separate: impl Fn(&[f32], &[f32]) -> FusedOutputs,
+    fused: impl Fn(&[f32], &[f32]) -> FusedOutputs,
+) {
+    let twos: Vec<f32> = values(hidden, 41)
+        .iter()
+        .map(|v| if *v < 0.0 { -2.0 } else { 2.0 })
+        .collect();
+    let powers_of_two: Vec<f32> = (0..hidden).map(|i| [0.5, 1.0, 2.0][i % 3]).collect();
+    let (a, b) = (
+        separate(&twos, &powers_of_two),
+        fused(&twos, &powers_of_two),
+    );
+    assert_eq!(b.q, a.q, "{what}: q");
+    assert_eq!(b.kv, a.kv, "{what}: the caches");
+    assert!(
+        a.kv.0[kv_at.clone()].iter().all(|v| *v != 0.0),
+        "{what}: K was written"
+    );
+    assert!(
+        a.kv.1[kv_at].iter().all(|v| *v != 0.0),
+        "{what}: V was written"
+    );
+    assert_eq!(b.act, a.act, "{what}: act");
+    assert!(a.act.iter().any(|&v| v != 0), "{what}: act was written");
+
+    let x = from_bf16(&to_bf16(&values(hidden, 45)));
+    let g: Vec<f32> = values(hidden, 42).iter().map(|v| 1.0 + 0.5 * v).collect();
+    let (a, b) = (separate(&x, &g), fused(&x, &g));
+    let close = |got: &[f32], want: &[f32], part: &str| {
+        let most = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (g - w).abs() <= most / 64.0,
+                "{what}: {part}[{i}]: {g} vs {w}"
+            );
+        }
+    };
+    close(&from_bf16(&b.q), &from_bf16(&a.q), "q");
+    close(&b.kv.0, &a.kv.0, "k");
+    close(&b.kv.1, &a.kv.1, "v");
+    close(&from_bf16(&b.act), &from_bf16(&a.act), "act");
+}
+
 /// The one-token fused GEMVs (RMSNorm, then QKV with RoPE and the KV write,
 /// or gate/up with SwiGLU; the norm's weights g folded into the weights'
 /// columns) against the separate kernels they stand for (g applied by
@@ -430,44 +482,8 @@ fn fused_one_token_gemvs_equal_the_separate_kernels() {
             }
         };
 
-        let twos: Vec<f32> = values(hidden, 41)
-            .iter()
-            .map(|v| if *v < 0.0 { -2.0 } else { 2.0 })
-            .collect();
-        let powers_of_two: Vec<f32> = (0..hidden).map(|i| [0.5, 1.0, 2.0][i % 3]).collect();
-        let (a, b) = (
-            separate(&twos, &powers_of_two),
-            fused(&twos, &powers_of_two),
-        );
-        assert_eq!(b.q, a.q, "hidden {hidden}: q");
-        assert_eq!(b.kv, a.kv, "hidden {hidden}: the caches");
         let at = slot as usize * kv_dim..(slot as usize + 1) * kv_dim;
-        assert!(
-            a.kv.0[at.clone()].iter().all(|v| *v != 0.0),
-            "K was written"
-        );
-        assert!(a.kv.1[at].iter().all(|v| *v != 0.0), "V was written");
-        assert_eq!(b.act, a.act, "hidden {hidden}: act");
-        assert!(a.act.iter().any(|&v| v != 0), "act was written");
-
-        // Any residual and norm weights: within a few BF16 roundings of the
-        // largest value.
-        let x = from_bf16(&to_bf16(&values(hidden, 45)));
-        let g: Vec<f32> = values(hidden, 42).iter().map(|v| 1.0 + 0.5 * v).collect();
-        let (a, b) = (separate(&x, &g), fused(&x, &g));
-        let close = |got: &[f32], want: &[f32], what: &str| {
-            let most = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            for (i, (g, w)) in got.iter().zip(want).enumerate() {
-                assert!(
-                    (g - w).abs() <= most / 64.0,
-                    "hidden {hidden}: {what}[{i}]: {g} vs {w}"
-                );
-            }
-        };
-        close(&from_bf16(&b.q), &from_bf16(&a.q), "q");
-        close(&b.kv.0, &a.kv.0, "k");
-        close(&b.kv.1, &a.kv.1, "v");
-        close(&from_bf16(&b.act), &from_bf16(&a.act), "act");
+        assert_fused_equals_separate(hidden, at, &format!("hidden {hidden}"), separate, fused);
     }
 }
 
@@ -569,44 +585,9 @@ fn fused_fp4_one_token_gemvs_equal_the_separate_kernels() {
             };
             let what = format!("{format:?}, hidden {hidden}");
 
-            let twos: Vec<f32> = values(hidden, 41)
-                .iter()
-                .map(|v| if *v < 0.0 { -2.0 } else { 2.0 })
-                .collect();
-            let powers_of_two: Vec<f32> = (0..hidden).map(|i| [0.5, 1.0, 2.0][i % 3]).collect();
-            let (a, b) = (
-                separate(&twos, &powers_of_two),
-                fused(&twos, &powers_of_two),
-            );
-            assert_eq!(b.q, a.q, "{what}: q");
-            assert_eq!(b.kv, a.kv, "{what}: the caches");
             let at = slot as usize * kv_dim..(slot as usize + 1) * kv_dim;
-            assert!(
-                a.kv.0[at.clone()].iter().all(|v| *v != 0.0),
-                "K was written"
-            );
-            assert!(a.kv.1[at].iter().all(|v| *v != 0.0), "V was written");
-            assert_eq!(b.act, a.act, "{what}: act");
-            assert!(a.act.iter().any(|&v| v != 0), "act was written");
-
-            // Any residual and norm weights: within a few BF16 roundings of
-            // the largest value.
-            let x = values(hidden, 45);
+            assert_fused_equals_separate(hidden, at, &what, &separate, &fused);
             let g: Vec<f32> = values(hidden, 42).iter().map(|v| 1.0 + 0.5 * v).collect();
-            let (a, b) = (separate(&x, &g), fused(&x, &g));
-            let close = |got: &[f32], want: &[f32], part: &str| {
-                let most = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                for (i, (g, w)) in got.iter().zip(want).enumerate() {
-                    assert!(
-                        (g - w).abs() <= most / 64.0,
-                        "{what}: {part}[{i}]: {g} vs {w}"
-                    );
-                }
-            };
-            close(&from_bf16(&b.q), &from_bf16(&a.q), "q");
-            close(&b.kv.0, &a.kv.0, "k");
-            close(&b.kv.1, &a.kv.1, "v");
-            close(&from_bf16(&b.act), &from_bf16(&a.act), "act");
 
             // The output projection: y += W x as the GEMV adds it, and
             // bf16(y g_next) for the next norm's input.
