@@ -586,7 +586,7 @@ fn fused_fp4_one_token_gemvs_equal_the_separate_kernels() {
             let what = format!("{format:?}, hidden {hidden}");
 
             let at = slot as usize * kv_dim..(slot as usize + 1) * kv_dim;
-            assert_fused_equals_separate(hidden, at, &what, &separate, &fused);
+            assert_fused_equals_separate(hidden, at, &what, separate, fused);
             let g: Vec<f32> = values(hidden, 42).iter().map(|v| 1.0 + 0.5 * v).collect();
 
             // The output projection: y += W x as the GEMV adds it, and
