@@ -169,9 +169,10 @@ __device__ __forceinline__ void fp4_store(float* __restrict__ y, const float* __
 // rows g and g + 8 of a tile are rows (2i, 2i + 1) under NORM_ROPE (the pair
 // RoPE rotates together), and gate row i and its up row under NORM_SWIGLU
 // (whose weights come with gate and up rows in alternate runs of 8, so a
-// tile is 8 of each: model.rs, GATE_UP_RUN; reading a tile's gate and up
-// rows from the two halves of the stacked matrix, 29 MB apart, made the
-// kernel 3 us slower than the plain GEMV under ncu).
+// tile is 8 of each and reads as one piece: model.rs, GATE_UP_RUN; against
+// a tile taking its gate and up rows from the two halves of the stacked
+// matrix, no change was measured: the fused kernel runs 3-4 us slower than
+// the plain GEMV under ncu either way).
 //  - NORM_ROPE / NORM_SWIGLU: x is the residual times the norm's weights g
 //    as BF16 (the output projection before wrote it, or the embedding); the
 //    sums are scaled by 1 / rms of the f32 residual, from `sumsq_tiles`, the
@@ -182,7 +183,8 @@ __device__ __forceinline__ void fp4_store(float* __restrict__ y, const float* __
 //    16-row tile's sum of y^2 to `sumsq_tiles` for the input projection
 //    after (skipped where `out` is null).
 // (Each block summing the whole f32 residual's squares itself, 16 KB of L2
-// read by every block at once, cost 2 us a kernel: 412 against 434 tok/s.)
+// read by every block at once, read 409-412 tok/s at batch 1 against this
+// form's 414-419 on other leases; BENCHMARKS.md.)
 // FP4 codes cannot take the norm's weights folded in as BF16 matrices do
 // (W g would need quantizing again), so they travel with x instead.
 #define FP4_PLAIN 0
@@ -227,8 +229,7 @@ __device__ __forceinline__ int fp4_b_rows() {
 template <int MODE>
 __device__ __forceinline__ void fp4_fused_store(const Fp4Epilogue& epi, float (*partial)[1][32][4], const float* sumsq,
                                                 int lane, int ra, int rb, float* __restrict__ y,
-                                                const float* __restrict__ row_scale, int rows, int cols,
-                                                float out_pow2) {
+                                                const float* __restrict__ row_scale, int cols, float out_pow2) {
     float sa = 0.0f, sb = 0.0f;
 #pragma unroll
     for (int w = 0; w < GEMV_WARPS; w++) {
@@ -445,8 +446,8 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
         }
         __syncthreads();
         if constexpr (MODE != FP4_PLAIN) {
-            if (warp == 0 && t == 0) fp4_fused_store<MODE>(epi, partial[tl & 1], sumsq, lane, ra, rb, y, row_scale, rows,
-                                                          cols, out_pow2);
+            if (warp == 0 && t == 0) fp4_fused_store<MODE>(epi, partial[tl & 1], sumsq, lane, ra, rb, y, row_scale, cols,
+                                                          out_pow2);
         } else if (warp == 0) {  // the fixed order of the sum keeps it deterministic
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)

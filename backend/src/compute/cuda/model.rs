@@ -625,9 +625,9 @@ impl CudaLlama {
         let fused = one_fast && self.fused_one_token();
         // The same with FP4 layers (fp4.cu, FP4_NORM_ROPE and kin): the norms'
         // weights g cannot be folded into FP4 codes, so `xn` holds the
-        // residual times the next norm's g, which the embedding and the
-        // output projections write, and the input projections take the RMS
-        // of the f32 residual `x` themselves.
+        // residual times the next norm's g, and `sumsq_tiles` the f32
+        // residual's sums of squares by 16, from which the input projections
+        // take the RMS; the embedding and the output projections write both.
         let fused_fp4 = one_fast && !fused && self.fused_fp4_one_token();
         // SAFETY (all launches): the buffers were sized by `reserve` for n
         // tokens and m logit rows; the index arrays hold n (or m) entries.
