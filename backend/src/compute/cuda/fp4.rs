@@ -24,6 +24,12 @@ pub const FP4_COLS_MULTIPLE: usize = 32;
 /// each of 8 RoPE pairs or 8 gate rows with their up rows).
 pub const FP4_FUSED_ROWS_MULTIPLE: usize = 16;
 
+/// Tokens a GEMV block takes for a call of `n`: 8 when that is all, else 16
+/// (the `_n8` and `_n16` kernels; the fused one-token kernels are n8's).
+fn gemv_tokens_per_block(n: usize) -> usize {
+    if n <= 8 { 8 } else { 16 }
+}
+
 /// Warps per block of the kernels (`fp4.cu`'s GEMV_WARPS).
 const FP4_WARPS: u32 = 8;
 
@@ -279,9 +285,7 @@ impl Fp4Weights {
         if n == 0 {
             return Ok(());
         }
-        // 8 tokens a block when that is all; else 16.
-        let per_block = if n <= 8 { 8 } else { 16 };
-        let kernel = format!("n{per_block}");
+        let kernel = format!("n{}", gemv_tokens_per_block(n));
         self.launch_gemv(gpu, &kernel, x, y, n, accumulate, &[])
     }
 
@@ -325,7 +329,7 @@ impl Fp4Weights {
             Fp4Format::Mxfp4 => format!("fp4_gemv_mx_{kernel}"),
             Fp4Format::Nvfp4 => format!("fp4_gemv_nv_{kernel}"),
         };
-        let token_blocks = n.div_ceil(if n <= 8 { 8 } else { 16 }) as u32;
+        let token_blocks = n.div_ceil(gemv_tokens_per_block(n)) as u32;
         // The kernel addresses a matrix's codes with 32-bit offsets.
         if self.rows * self.cols / 2 > u32::MAX as usize {
             return Err(GpuError::Other(format!(
