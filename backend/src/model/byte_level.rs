@@ -3,10 +3,24 @@
 //! than the merges on short prompts. The split is GPT-2's pattern — run with
 //! the `regex` crate, with its one look-ahead (`\s+(?!\S)`) applied by hand —
 //! after SmolLM2-style digit isolation; the merges are `tokenizers`' own BPE
-//! model (and its word cache). Tests check it against `tokenizers` id for id.
+//! model. Words seen before take their ids from a bounded cache of our own
+//! (piece bytes -> ids): `tokenizers`' path for a cached word still builds a
+//! `Token` (id, offsets and the token's string, looked up in a 49k-entry
+//! map) per id, which on a gateway's cold caches cost several µs a word.
+//! Tests check it against `tokenizers` id for id.
+
+use std::sync::Mutex;
 
 use regex::Regex;
 use tokenizers::Model;
+
+use super::generations::Generations;
+
+/// Pieces longer than this are not cached (long runs of letters or spaces
+/// are rare and unlikely to repeat).
+const MAX_CACHED_PIECE: usize = 48;
+/// Words per cache generation; at most twice this many are kept.
+const GENERATION_WORDS: usize = 32 * 1024;
 
 /// GPT-2's split pattern without the look-ahead alternative.
 const PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+";
@@ -19,6 +33,8 @@ pub struct ByteLevelEncoder {
     isolate_digits: bool,
     /// GPT-2's byte -> printable char table.
     byte_chars: [char; 256],
+    /// Ids of pieces (as split, before the byte mapping) seen before.
+    words: Mutex<Generations<Box<str>, Box<[u32]>>>,
 }
 
 /// GPT-2's `bytes_to_unicode`: printable bytes stand for themselves, the rest
@@ -45,6 +61,12 @@ impl ByteLevelEncoder {
             split: Regex::new(PATTERN).expect("the GPT-2 pattern compiles"),
             isolate_digits,
             byte_chars: byte_chars(),
+            words: Mutex::new(Generations::new(
+                GENERATION_WORDS,
+                GENERATION_WORDS * (MAX_CACHED_PIECE + 32),
+                // A word's bytes and ids, and the two boxes' pointers and lengths.
+                |piece, ids| piece.len() + ids.len() * 4 + 32,
+            )),
         }
     }
 
@@ -57,11 +79,26 @@ impl ByteLevelEncoder {
     ) -> tokenizers::Result<()> {
         let mut mapped = String::new();
         let mut emit = |piece: &str| -> tokenizers::Result<()> {
+            let cacheable = piece.len() <= MAX_CACHED_PIECE;
+            if cacheable {
+                let mut words = self.words.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(ids) = words.get(piece) {
+                    out.extend_from_slice(ids);
+                    return Ok(());
+                }
+            }
             mapped.clear();
             for &b in piece.as_bytes() {
                 mapped.push(self.byte_chars[b as usize]);
             }
+            let from = out.len();
             out.extend(model.tokenize(&mapped)?.iter().map(|t| t.id));
+            if cacheable {
+                self.words
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(piece.into(), out[from..].into());
+            }
             Ok(())
         };
         if !self.isolate_digits {

@@ -3,6 +3,7 @@
 
 mod byte_level;
 mod config;
+mod generations;
 pub mod gguf;
 mod hf;
 mod llama;

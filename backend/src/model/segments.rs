@@ -4,12 +4,12 @@
 //! chat's system prompt, earlier turns of a conversation — come back request
 //! after request, so their ids are kept in a bounded two-generation cache.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use aho_corasick::{AhoCorasick, MatchKind};
 
 use super::byte_level::ByteLevelEncoder;
+use super::generations::Generations;
 
 /// Segments shorter than this are tokenized every time (cheap, and unlikely
 /// to repeat usefully).
@@ -27,7 +27,7 @@ pub struct SegmentEncoder {
     matcher: AhoCorasick,
     /// Pattern index -> token id.
     ids: Vec<u32>,
-    cache: Mutex<Generations>,
+    cache: Mutex<Generations<Box<str>, Arc<[u32]>>>,
     /// The byte-level encoder of each segment.
     byte_level: ByteLevelEncoder,
 }
@@ -37,28 +37,6 @@ impl std::fmt::Debug for SegmentEncoder {
         f.debug_struct("SegmentEncoder")
             .field("added_tokens", &self.ids.len())
             .finish()
-    }
-}
-
-#[derive(Default)]
-struct Generations {
-    current: HashMap<Box<str>, Arc<[u32]>>,
-    /// Bytes held by `current` (text and ids).
-    current_bytes: usize,
-    old: HashMap<Box<str>, Arc<[u32]>>,
-}
-
-impl Generations {
-    /// Adds an entry, starting a new generation when the current one is full.
-    fn insert(&mut self, text: &str, ids: Arc<[u32]>) {
-        let bytes = text.len() + ids.len() * 4;
-        if self.current.len() >= GENERATION_ENTRIES || self.current_bytes + bytes > GENERATION_BYTES
-        {
-            self.old = std::mem::take(&mut self.current);
-            self.current_bytes = 0;
-        }
-        self.current_bytes += bytes;
-        self.current.insert(text.into(), ids);
     }
 }
 
@@ -91,7 +69,11 @@ impl SegmentEncoder {
         Some(SegmentEncoder {
             matcher,
             ids,
-            cache: Mutex::new(Generations::default()),
+            cache: Mutex::new(Generations::new(
+                GENERATION_ENTRIES,
+                GENERATION_BYTES,
+                |text, ids| text.len() + ids.len() * 4,
+            )),
             byte_level,
         })
     }
@@ -134,7 +116,7 @@ impl SegmentEncoder {
         self.cache
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(text, ids);
+            .insert(text.into(), ids);
         Ok(())
     }
 
@@ -150,11 +132,6 @@ impl SegmentEncoder {
     /// A cached segment; one found in the old generation moves to the new one.
     fn lookup(&self, text: &str) -> Option<Arc<[u32]>> {
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(ids) = cache.current.get(text) {
-            return Some(ids.clone());
-        }
-        let ids = cache.old.remove(text)?;
-        cache.insert(text, ids.clone());
-        Some(ids)
+        cache.get(text).cloned()
     }
 }

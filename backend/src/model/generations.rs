@@ -1,0 +1,102 @@
+//! A bounded two-generation cache: entries go into the current generation;
+//! when it is full (by entries or by bytes) it becomes the old one and the
+//! generation before is dropped; a hit in the old generation moves the entry
+//! back into the current one. Nothing is ever scanned or sorted, so a hit
+//! costs one hash lookup and a full cache one map swap.
+
+use std::borrow::Borrow;
+use std::hash::Hash;
+
+use rustc_hash::FxHashMap;
+
+#[derive(Debug)]
+pub struct Generations<K, V> {
+    current: FxHashMap<K, V>,
+    /// Bytes held by `current`, as the callers counted them at insertion.
+    current_bytes: usize,
+    old: FxHashMap<K, V>,
+    max_entries: usize,
+    max_bytes: usize,
+    /// An entry's footprint in bytes, for the byte bound.
+    size: fn(&K, &V) -> usize,
+}
+
+impl<K: Hash + Eq, V> Generations<K, V> {
+    /// At most `max_entries` and `max_bytes` (entries measured by `size`) per
+    /// generation; twice that is kept.
+    pub fn new(max_entries: usize, max_bytes: usize, size: fn(&K, &V) -> usize) -> Self {
+        Self {
+            current: FxHashMap::default(),
+            current_bytes: 0,
+            old: FxHashMap::default(),
+            max_entries,
+            max_bytes,
+            size,
+        }
+    }
+
+    /// The value of `key`, moved into the current generation if it was old.
+    pub fn get<Q>(&mut self, key: &Q) -> Option<&V>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        if self.current.contains_key(key) {
+            return self.current.get(key);
+        }
+        let (key, value) = self.old.remove_entry(key)?;
+        Some(self.insert(key, value))
+    }
+
+    /// Adds an entry, starting a new generation when the current one is
+    /// full; returns the value as stored (an entry already there is kept).
+    pub fn insert(&mut self, key: K, value: V) -> &V {
+        let bytes = (self.size)(&key, &value);
+        if self.current.len() >= self.max_entries || self.current_bytes + bytes > self.max_bytes {
+            self.old = std::mem::take(&mut self.current);
+            self.current_bytes = 0;
+        }
+        self.current_bytes += bytes;
+        self.current.entry(key).or_insert(value)
+    }
+
+    /// Entries held, both generations.
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.current.len() + self.old.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_generation_becomes_old_and_the_one_before_is_dropped() {
+        let mut cache: Generations<String, u32> = Generations::new(2, usize::MAX, |_, _| 1);
+        cache.insert("a".into(), 1);
+        cache.insert("b".into(), 2);
+        // Full: a and b become old.
+        cache.insert("c".into(), 3);
+        assert_eq!(cache.len(), 3);
+        assert_eq!(cache.get("a"), Some(&1), "old entries are still found");
+        // a moved back next to c; the current generation (c, a) is full now.
+        cache.insert("d".into(), 4);
+        // (c, a) became old and b, never used again, is gone.
+        assert_eq!(cache.get("b"), None);
+        assert_eq!(cache.get("a"), Some(&1));
+        assert_eq!(cache.get("d"), Some(&4));
+    }
+
+    #[test]
+    fn the_byte_bound_starts_a_new_generation() {
+        let mut cache: Generations<u32, u32> = Generations::new(100, 10, |_, _| 6);
+        cache.insert(1, 1);
+        cache.insert(2, 2);
+        cache.insert(3, 3);
+        // 1 was dropped with the first generation; 2 is old, 3 current.
+        assert_eq!(cache.get(&1), None);
+        assert_eq!(cache.get(&3), Some(&3));
+        assert_eq!(cache.get(&2), Some(&2));
+    }
+}
