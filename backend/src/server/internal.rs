@@ -6,17 +6,16 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::header;
-use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 use tokio_stream::StreamExt;
-use tokio_stream::wrappers::{BroadcastStream, IntervalStream, UnboundedReceiverStream};
+use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::error::ApiError;
 use super::openai::parse;
@@ -174,30 +173,15 @@ pub async fn prefill(
     }))
 }
 
-/// `GET /events`: SSE. `kv` events carry the worker's KV events with their
-/// sequence numbers; a `load` event comes every 250 ms; a `lagged` event says
-/// events were dropped for this listener (resync from `/internal/kv`).
+/// `GET /events`: SSE (`super::events`): `kv` events carry the worker's KV
+/// events with their sequence numbers (batched under load), a `load` event
+/// comes every 250 ms, a `lagged` event says events were dropped for this
+/// listener (resync from `/internal/kv`).
 pub async fn events(
     State(state): State<Arc<WorkerState>>,
 ) -> Sse<impl tokio_stream::Stream<Item = Result<Event, Infallible>>> {
-    let kv = BroadcastStream::new(state.engine.subscribe_kv_events()).map(|e| match e {
-        Ok(e) => Event::default()
-            .event("kv")
-            .json_data(e)
-            .unwrap_or_default(),
-        Err(tokio_stream::wrappers::errors::BroadcastStreamRecvError::Lagged(n)) => {
-            Event::default().event("lagged").data(n.to_string())
-        }
-    });
-    let load_state = state.clone();
-    let load =
-        IntervalStream::new(tokio::time::interval(Duration::from_millis(250))).map(move |_| {
-            Event::default()
-                .event("load")
-                .json_data(load_state.engine.load())
-                .unwrap_or_default()
-        });
-    Sse::new(kv.merge(load).map(Ok)).keep_alive(KeepAlive::default())
+    let engine = state.engine.clone();
+    super::events::event_stream(state.engine.subscribe_kv_events(), move || engine.load())
 }
 
 /// `GET /internal/kv`: `{"seq": last event number, "hashes": [...]}`.

@@ -4,6 +4,7 @@
 //! of a worker (`peers`).
 
 mod error;
+pub mod events;
 mod internal;
 pub mod openai;
 mod peers;

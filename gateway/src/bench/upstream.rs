@@ -6,16 +6,13 @@
 //! no inference, so what a benchmark measures in front of it is the gateway.
 
 use std::collections::HashSet;
-use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::header;
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::json;
@@ -23,8 +20,6 @@ use sluice_backend::engine::{GenerateRequest, NumberedKvEvent};
 use sluice_backend::kv::KvEvent;
 use sluice_backend::kv::hash::block_hashes;
 use tokio::sync::broadcast;
-use tokio_stream::StreamExt;
-use tokio_stream::wrappers::{BroadcastStream, IntervalStream};
 
 /// The canned answers of one upstream.
 #[derive(Debug)]
@@ -148,25 +143,14 @@ fn memchr_find(haystack: &[u8], needle: &[u8]) -> bool {
     haystack.windows(needle.len()).any(|w| w == needle)
 }
 
+/// A sluice worker's event stream, batched as a worker batches it.
 async fn events(State(up): State<Arc<Upstream>>) -> impl IntoResponse {
-    let kv = BroadcastStream::new(up.events.subscribe()).filter_map(|e| {
-        e.ok().map(|e| {
-            Event::default()
-                .event("kv")
-                .json_data(e)
-                .unwrap_or_default()
-        })
-    });
-    let load = IntervalStream::new(tokio::time::interval(Duration::from_millis(250))).map(|_| {
-        Event::default()
-            .event("load")
-            .json_data(sluice_backend::engine::Load {
-                kv_blocks_total: 1 << 20,
-                ..Default::default()
-            })
-            .unwrap_or_default()
-    });
-    Sse::new(kv.merge(load).map(Ok::<_, Infallible>)).keep_alive(KeepAlive::default())
+    sluice_backend::server::events::event_stream(up.events.subscribe(), || {
+        sluice_backend::engine::Load {
+            kv_blocks_total: 1 << 20,
+            ..Default::default()
+        }
+    })
 }
 
 async fn snapshot(State(up): State<Arc<Upstream>>) -> Response {
