@@ -568,7 +568,7 @@ impl Frontend {
                 }
                 // Events already here go out in one chunk (one write, one
                 // wake-up of the client), not one each.
-                let mut text = String::new();
+                let mut text = Vec::new();
                 loop {
                     let event = match events.try_recv() {
                         Ok(e) => e,
@@ -585,10 +585,10 @@ impl Frontend {
                                 let error = ApiError::unavailable(
                                     "the generation stopped before it finished",
                                 );
-                                text.push_str(&format!(
-                                    "data: {}\n\ndata: [DONE]\n\n",
-                                    error.body()
-                                ));
+                                text.extend_from_slice(
+                                    format!("data: {}\n\ndata: [DONE]\n\n", error.body())
+                                        .as_bytes(),
+                                );
                                 return Some((Ok(text), (writer, events, on_usage, true)));
                             }
                         },
@@ -602,7 +602,7 @@ impl Frontend {
                     {
                         f(usage);
                     }
-                    text.push_str(&writer.sse(event));
+                    writer.write_sse(event, &mut text);
                     if finished {
                         return Some((Ok(text), (writer, events, on_usage, true)));
                     }
@@ -662,87 +662,125 @@ struct ChunkWriter {
     created: u64,
 }
 
+/// One streamed chunk as OpenAI shapes it, serialized straight into the
+/// answer's bytes (no `Value` tree per token).
+#[derive(serde::Serialize)]
+struct Chunk<'a, C> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: C,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<Value>,
+}
+
+/// A chunk's choice: a chat delta, or a completion's text.
+#[derive(serde::Serialize)]
+struct ChunkChoice<'a> {
+    index: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    delta: Option<Delta<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<&'a str>,
+    logprobs: Option<Value>,
+    finish_reason: Option<&'static str>,
+}
+
+#[derive(serde::Serialize)]
+struct Delta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'static str>,
+    content: &'a str,
+}
+
 impl ChunkWriter {
-    /// The SSE text of one generation event (empty when it shows nothing).
-    fn sse(&self, event: GenerateEvent) -> String {
-        let mut text = String::new();
-        for data in self.events(event) {
-            text.push_str("data: ");
-            text.push_str(&data);
-            text.push_str("\n\n");
-        }
-        text
-    }
-
-    fn chunk(&self, choices: Value, usage: Option<Value>) -> String {
-        let object = match self.reply.kind {
-            Kind::Chat => "chat.completion.chunk",
-            Kind::Completion => "text_completion",
-        };
-        let mut c = json!({"id": self.id, "object": object, "created": self.created, "model": self.frontend.model_name, "choices": choices});
-        if let Some(u) = usage {
-            c["usage"] = u;
-        }
-        c.to_string()
-    }
-
-    /// The `data:` payloads of one generation event.
-    fn events(&self, event: GenerateEvent) -> Vec<String> {
+    /// Appends the SSE text of one generation event to `out` (nothing when
+    /// it shows nothing).
+    fn write_sse(&self, event: GenerateEvent, out: &mut Vec<u8>) {
         let kind = self.reply.kind;
+        let choice = |content, logprobs, finish_reason| {
+            let (delta, text) = match kind {
+                Kind::Chat => (
+                    Some(Delta {
+                        role: None,
+                        content,
+                    }),
+                    None,
+                ),
+                Kind::Completion => (None, Some(content)),
+            };
+            ChunkChoice {
+                index: 0,
+                delta,
+                text,
+                logprobs,
+                finish_reason,
+            }
+        };
         match event {
             // Disaggregation's own event: the gateway acts on it; clients
             // never see it.
-            GenerateEvent::AwaitingKv { .. } => vec![],
-            GenerateEvent::Started { .. } => match kind {
-                Kind::Chat => vec![self.chunk(
-                    json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]),
-                    None,
-                )],
-                Kind::Completion => vec![],
-            },
+            GenerateEvent::AwaitingKv { .. } => {}
+            GenerateEvent::Started { .. } => {
+                if kind == Kind::Chat {
+                    let opening = ChunkChoice {
+                        delta: Some(Delta {
+                            role: Some("assistant"),
+                            content: "",
+                        }),
+                        ..choice("", None, None)
+                    };
+                    self.write_chunk(out, [opening], None);
+                }
+            }
             GenerateEvent::Token(t) => {
                 let lp = self.reply.logprobs.then(|| match kind {
                     Kind::Chat => json!({"content": [self.frontend.chat_logprob(&t)]}),
                     Kind::Completion => self.frontend.completion_logprobs(std::slice::from_ref(&t)),
                 });
                 if t.text.is_empty() && lp.is_none() {
-                    return vec![];
+                    return;
                 }
-                let choices = match kind {
-                    Kind::Chat => {
-                        json!([{"index": 0, "delta": {"content": t.text}, "logprobs": lp, "finish_reason": null}])
-                    }
-                    Kind::Completion => {
-                        json!([{"index": 0, "text": t.text, "logprobs": lp, "finish_reason": null}])
-                    }
-                };
-                vec![self.chunk(choices, None)]
+                self.write_chunk(out, [choice(&t.text, lp, None)], None);
             }
             GenerateEvent::Finished {
                 reason,
                 text,
                 usage,
             } => {
-                let last = match kind {
-                    Kind::Chat => {
-                        json!([{"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": finish_str(reason)}])
-                    }
-                    Kind::Completion => {
-                        json!([{"index": 0, "text": text, "logprobs": null, "finish_reason": finish_str(reason)}])
-                    }
-                };
-                let mut out = vec![self.chunk(last, None)];
+                let last = choice(&text, None, Some(finish_str(reason)));
+                self.write_chunk(out, [last], None);
                 if self.reply.include_usage {
-                    out.push(self.chunk(json!([]), Some(usage_json(&usage))));
+                    self.write_chunk(out, [(); 0], Some(usage_json(&usage)));
                 }
-                out.push("[DONE]".into());
-                out
+                out.extend_from_slice(b"data: [DONE]\n\n");
             }
-            GenerateEvent::Error { message, status } => vec![
-                ApiError::with_code(status, StatusCode::BAD_REQUEST, message).body().to_string(),
-                "[DONE]".into(),
-            ],
+            GenerateEvent::Error { message, status } => {
+                let body = ApiError::with_code(status, StatusCode::BAD_REQUEST, message).body();
+                out.extend_from_slice(format!("data: {body}\n\ndata: [DONE]\n\n").as_bytes());
+            }
         }
+    }
+
+    /// Appends one `data:` line holding a chunk with `choices`.
+    fn write_chunk(&self, out: &mut Vec<u8>, choices: impl serde::Serialize, usage: Option<Value>) {
+        let chunk = Chunk {
+            id: &self.id,
+            object: match self.reply.kind {
+                Kind::Chat => "chat.completion.chunk",
+                Kind::Completion => "text_completion",
+            },
+            created: self.created,
+            model: &self.frontend.model_name,
+            choices,
+            usage,
+        };
+        out.extend_from_slice(b"data: ");
+        // Writing into a Vec cannot fail, and the chunk holds no map with
+        // non-string keys.
+        serde_json::to_writer(&mut *out, &chunk).expect("a chunk serializes");
+        out.extend_from_slice(b"\n\n");
     }
 }
 
