@@ -74,6 +74,8 @@ pub struct Worker {
     role: Mutex<Role>,
     /// When the worker last registered (or was added).
     registered_at: Mutex<Instant>,
+    /// `{url}/internal/generate`, parsed once (or why it does not parse).
+    generate_url: Result<reqwest::Url, String>,
 }
 
 impl Worker {
@@ -128,6 +130,12 @@ impl Worker {
             Some(r) => format!("{}#dp{r}", self.url),
             None => self.url.clone(),
         }
+    }
+
+    /// Where a sluice worker takes token ids, parsed when the worker was
+    /// added (a request then parses no URL, IDNA host processing and all).
+    pub fn generate_url(&self) -> Result<reqwest::Url, String> {
+        self.generate_url.clone()
     }
 }
 
@@ -272,6 +280,8 @@ impl Fleet {
             load: Mutex::new(Load::default()),
             role: Mutex::new(Role::Both),
             registered_at: Mutex::new(Instant::now()),
+            generate_url: reqwest::Url::parse(&format!("{url}/internal/generate"))
+                .map_err(|e| e.to_string()),
         });
         let mut next = (*current).clone();
         next.push(worker.clone());

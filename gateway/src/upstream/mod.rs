@@ -599,9 +599,13 @@ async fn attempt(
         Some(_) => with_remote_prefill(&job.body),
         None => job.body.clone(),
     };
+    let url = match worker.generate_url() {
+        Ok(url) => url,
+        Err(e) => return Attempt::Retry(format!("bad URL: {e}"), worker.id),
+    };
     let request = gateway
         .client()
-        .post(format!("{}/internal/generate", worker.url))
+        .post(url)
         .header("content-type", "application/json")
         .header("traceparent", job.trace.header())
         .body(body)
