@@ -86,8 +86,11 @@ pub struct TokenOut {
 }
 
 /// What the engine sends back for a request, in order: `Started`, any number of
-/// `Token`s, then exactly one `Finished`.
-#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+/// `Token`s, then exactly one `Finished`. On the wire (`/internal/generate`'s
+/// NDJSON) a JSON object with an `event` field naming the variant beside the
+/// variant's fields; read back through `wire::WireEvent`, not by serde's
+/// internally tagged enums, which buffer every event into a tree first.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum GenerateEvent {
     Started {
@@ -131,4 +134,156 @@ pub struct Load {
     pub queued_prefill_tokens: u32,
     pub kv_blocks_used: u32,
     pub kv_blocks_total: u32,
+}
+
+impl<'de> serde::Deserialize<'de> for GenerateEvent {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        wire::WireEvent::deserialize(d)?
+            .into_event()
+            .map_err(serde::de::Error::missing_field)
+    }
+}
+
+/// Reading a [`GenerateEvent`] in one pass: every variant's fields in one
+/// flat struct, then the variant's own checked for presence.
+mod wire {
+    use super::{FinishReason, GenerateEvent, TokenOut, Usage};
+
+    #[derive(serde::Deserialize)]
+    #[serde(rename_all = "snake_case")]
+    enum Tag {
+        Started,
+        AwaitingKv,
+        Token,
+        Finished,
+        Error,
+    }
+
+    #[derive(serde::Deserialize)]
+    pub struct WireEvent {
+        event: Tag,
+        prompt_tokens: Option<u32>,
+        cached_tokens: Option<u32>,
+        handle: Option<u64>,
+        from_block: Option<u32>,
+        blocks: Option<u32>,
+        #[serde(default)]
+        addr: String,
+        id: Option<u32>,
+        text: Option<String>,
+        logprob: Option<f32>,
+        top: Option<Vec<(u32, String, f32)>>,
+        reason: Option<FinishReason>,
+        usage: Option<Usage>,
+        message: Option<String>,
+        status: Option<u16>,
+    }
+
+    /// `value`, or the name of the missing field.
+    fn need<T>(value: Option<T>, name: &'static str) -> Result<T, &'static str> {
+        value.ok_or(name)
+    }
+
+    impl WireEvent {
+        /// The event, or the name of a field its variant needs and lacks.
+        pub fn into_event(self) -> Result<GenerateEvent, &'static str> {
+            Ok(match self.event {
+                Tag::Started => GenerateEvent::Started {
+                    prompt_tokens: need(self.prompt_tokens, "prompt_tokens")?,
+                    cached_tokens: need(self.cached_tokens, "cached_tokens")?,
+                },
+                Tag::AwaitingKv => GenerateEvent::AwaitingKv {
+                    handle: need(self.handle, "handle")?,
+                    from_block: need(self.from_block, "from_block")?,
+                    blocks: need(self.blocks, "blocks")?,
+                    addr: self.addr,
+                },
+                Tag::Token => GenerateEvent::Token(TokenOut {
+                    id: need(self.id, "id")?,
+                    text: need(self.text, "text")?,
+                    logprob: need(self.logprob, "logprob")?,
+                    top: need(self.top, "top")?,
+                }),
+                Tag::Finished => GenerateEvent::Finished {
+                    reason: need(self.reason, "reason")?,
+                    text: need(self.text, "text")?,
+                    usage: need(self.usage, "usage")?,
+                },
+                Tag::Error => GenerateEvent::Error {
+                    message: need(self.message, "message")?,
+                    status: self.status,
+                },
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod generate_event_tests {
+    use super::*;
+
+    /// Every variant reads back as it was written, and a variant without
+    /// one of its fields, or an unknown variant, is refused.
+    #[test]
+    fn events_read_back_as_written_and_incomplete_ones_are_refused() {
+        let events = [
+            GenerateEvent::Started {
+                prompt_tokens: 12,
+                cached_tokens: 8,
+            },
+            GenerateEvent::AwaitingKv {
+                handle: 7,
+                from_block: 1,
+                blocks: 3,
+                addr: "10.0.0.2:9000".into(),
+            },
+            GenerateEvent::Token(TokenOut {
+                id: 42,
+                text: "hi".into(),
+                logprob: -0.5,
+                top: vec![(42, "hi".into(), -0.5), (7, "ho".into(), -1.25)],
+            }),
+            GenerateEvent::Finished {
+                reason: FinishReason::Length,
+                text: " end".into(),
+                usage: Usage {
+                    prompt_tokens: 12,
+                    completion_tokens: 3,
+                    cached_tokens: 8,
+                },
+            },
+            GenerateEvent::Error {
+                message: "too long".into(),
+                status: Some(413),
+            },
+            GenerateEvent::Error {
+                message: "bad".into(),
+                status: None,
+            },
+        ];
+        for event in events {
+            let json = serde_json::to_string(&event).unwrap();
+            let back: GenerateEvent = serde_json::from_str(&json).unwrap();
+            assert_eq!(back, event, "{json}");
+        }
+        // The worker's address is filled in by its server: absent = empty.
+        let e: GenerateEvent =
+            serde_json::from_str(r#"{"event":"awaiting_kv","handle":1,"from_block":0,"blocks":0}"#)
+                .unwrap();
+        assert!(matches!(e, GenerateEvent::AwaitingKv { addr, .. } if addr.is_empty()));
+        for (json, missing) in [
+            (r#"{"event":"started","prompt_tokens":3}"#, "cached_tokens"),
+            (
+                r#"{"event":"token","id":1,"text":"a","logprob":0.0}"#,
+                "top",
+            ),
+            (r#"{"event":"finished","reason":"stop","text":""}"#, "usage"),
+            (r#"{"event":"error"}"#, "message"),
+        ] {
+            let err = serde_json::from_str::<GenerateEvent>(json).unwrap_err();
+            assert!(err.to_string().contains(missing), "{json}: {err}");
+        }
+        assert!(serde_json::from_str::<GenerateEvent>(r#"{"event":"bogus"}"#).is_err());
+        assert!(serde_json::from_str::<GenerateEvent>(r#"{"text":"no tag"}"#).is_err());
+    }
 }
