@@ -71,6 +71,7 @@ impl ByteLevelEncoder {
     }
 
     /// Appends the ids of `text` (which holds no added tokens) to `out`.
+    /// `model` must be the same on every call: the word cache keeps its ids.
     pub fn encode(
         &self,
         text: &str,

@@ -2,7 +2,7 @@
 //! when it is full (by entries or by bytes) it becomes the old one and the
 //! generation before is dropped; a hit in the old generation moves the entry
 //! back into the current one. Nothing is ever scanned or sorted, so a hit
-//! costs one hash lookup and a full cache one map swap.
+//! costs a hash lookup or two and a full cache one map swap.
 
 use std::borrow::Borrow;
 use std::hash::Hash;
