@@ -582,7 +582,21 @@ fn run() -> anyhow::Result<()> {
                 None => Some(model_path(None)),
             };
             config.apply_env(&ProcessEnv)?;
-            tokio::runtime::Runtime::new()?.block_on(async {
+            // Requests are served by the server threads' own runtimes; this
+            // one runs the gateway's background tasks (worker monitors, the
+            // plugins-folder watcher) and any in-process workers. Without
+            // those, one thread: two would wake each other to share work
+            // that one does in a fraction of its time.
+            let embedded =
+                config.embedded_workers + config.embedded_prefill + config.embedded_decode;
+            let runtime = match embedded {
+                0 => tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(1)
+                    .enable_all()
+                    .build()?,
+                _ => tokio::runtime::Runtime::new()?,
+            };
+            runtime.block_on(async {
                 let running = Gateway::start(config)
                     .await
                     .map_err(|e| anyhow::anyhow!(sluice_gateway::error_chain(&e)))?;
