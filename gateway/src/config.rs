@@ -371,10 +371,15 @@ impl Config {
             .any(|w| w.spec().kind == WorkerKind::Openai)
     }
 
+    /// Workers this process runs itself, of every role.
+    pub fn in_process_workers(&self) -> u32 {
+        self.embedded_workers + self.embedded_prefill + self.embedded_decode
+    }
+
     /// Whether the gateway only forwards: no in-process worker, and every
     /// configured worker an OpenAI one (such a gateway needs no model).
     pub fn forwards_only(&self) -> bool {
-        self.embedded_workers + self.embedded_prefill + self.embedded_decode == 0
+        self.in_process_workers() == 0
             && !self.workers.is_empty()
             && self
                 .workers

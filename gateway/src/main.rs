@@ -566,11 +566,9 @@ fn run() -> anyhow::Result<()> {
             if let Some(n) = min_prefill_tokens {
                 config.disaggregation.min_prefill_tokens = n;
             }
-            let embedded =
-                config.embedded_workers + config.embedded_prefill + config.embedded_decode;
             match workers {
                 Some(n) => config.embedded_workers = n,
-                None if config.workers.is_empty() && embedded == 0 => {
+                None if config.workers.is_empty() && config.in_process_workers() == 0 => {
                     config.embedded_workers = 1;
                 }
                 None => {}
@@ -587,9 +585,7 @@ fn run() -> anyhow::Result<()> {
             // plugins-folder watcher) and any in-process workers. Without
             // those, one thread: two would wake each other to share work
             // that one does in a fraction of its time.
-            let embedded =
-                config.embedded_workers + config.embedded_prefill + config.embedded_decode;
-            let runtime = match embedded {
+            let runtime = match config.in_process_workers() {
                 0 => tokio::runtime::Builder::new_multi_thread()
                     .worker_threads(1)
                     .enable_all()
