@@ -89,6 +89,7 @@ enum Command {
         model: Option<PathBuf>,
         #[arg(long, default_value = "127.0.0.1")]
         host: std::net::IpAddr,
+        /// 0: any free port (the first line on stdout names the address)
         #[arg(long, default_value_t = 8081)]
         port: u16,
         /// The model name clients send [default: the file name]
@@ -507,7 +508,6 @@ fn run() -> anyhow::Result<()> {
                 advertise,
                 register_token: std::env::var("SLUICE_ADMIN_TOKEN").ok(),
                 model: model_path(model),
-                addr: std::net::SocketAddr::new(host, port),
                 served_name: served_model_name,
                 engine: EngineConfig {
                     kv_blocks,
@@ -516,7 +516,15 @@ fn run() -> anyhow::Result<()> {
                     ..EngineConfig::default()
                 },
             };
-            tokio::runtime::Runtime::new()?.block_on(run_worker(config))?;
+            tokio::runtime::Runtime::new()?.block_on(async {
+                let addr = std::net::SocketAddr::new(host, port);
+                let listener = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("cannot listen on {addr}"))?;
+                // The first line on stdout names the address (for --port 0).
+                println!("listening on http://{}", listener.local_addr()?);
+                anyhow::Ok(run_worker(listener, config).await?)
+            })?;
         }
         Command::Serve {
             config,

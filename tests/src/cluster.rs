@@ -2,6 +2,7 @@
 //! `sluice worker` processes serving SmolLM2 that register with it over HTTP
 //! (`--register`), each of which a test can kill.
 
+use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -35,14 +36,6 @@ pub fn sluice_bin() -> PathBuf {
         assert!(status.success(), "cargo build of the sluice binary failed");
     }
     bin
-}
-
-/// A port nothing listens on now.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
 }
 
 /// A gateway and its worker processes; dropping it kills the workers.
@@ -93,10 +86,13 @@ impl Cluster {
     }
 
     /// [`Cluster::add_worker`] with more `sluice worker` arguments.
+    ///
+    /// The worker binds any free port itself (`--port 0`) and names it on its
+    /// first line of stdout: a port picked here and handed over could be
+    /// taken by another test's socket in between.
     pub fn add_worker_with(&mut self, args: &[&str]) -> String {
-        let port = free_port();
-        let child = Command::new(sluice_bin())
-            .args(["worker", "--port", &port.to_string(), "--kv-blocks", "256"])
+        let mut child = Command::new(sluice_bin())
+            .args(["worker", "--port", "0", "--kv-blocks", "256"])
             .args(args)
             .arg("--model")
             .arg(model_path())
@@ -104,9 +100,27 @@ impl Cluster {
             .env("SLUICE_ADMIN_TOKEN", ADMIN_TOKEN)
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
+            .stdout(Stdio::piped())
             .spawn()
             .expect("starting a sluice worker");
-        let url = format!("http://127.0.0.1:{port}");
+        let mut stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
+        let mut first = String::new();
+        stdout
+            .read_line(&mut first)
+            .expect("reading the worker's stdout");
+        let url = match first.trim().strip_prefix("listening on ") {
+            Some(url) => url.to_string(),
+            None => {
+                let _ = child.kill();
+                panic!("the worker did not say where it listens (stdout: {first:?})")
+            }
+        };
+        // The rest of its stdout, passed on (a closed pipe would fail its writes).
+        std::thread::spawn(move || {
+            for line in stdout.lines().map_while(Result::ok) {
+                println!("{line}");
+            }
+        });
         self.workers.push((url.clone(), Some(child)));
         url
     }

@@ -186,7 +186,6 @@ pub async fn serve(
 #[derive(Clone, Debug)]
 pub struct WorkerConfig {
     pub model: std::path::PathBuf,
-    pub addr: SocketAddr,
     pub served_name: Option<String>,
     pub engine: crate::engine::EngineConfig,
     /// CPU or CUDA (`auto`: a GPU when there is one).
@@ -237,8 +236,13 @@ pub enum WorkerError {
     Serve(std::io::Error),
 }
 
-/// Loads the model, starts the engine and serves until the process ends.
-pub async fn run_worker(config: WorkerConfig) -> Result<(), WorkerError> {
+/// Loads the model, starts the engine and serves on `listener` (bound by the
+/// caller before the model loads, so a taken port fails at once) until the
+/// process ends.
+pub async fn run_worker(
+    listener: tokio::net::TcpListener,
+    config: WorkerConfig,
+) -> Result<(), WorkerError> {
     let started = std::time::Instant::now();
     let loaded = crate::model::load(&config.model).map_err(|source| WorkerError::Model {
         path: config.model.display().to_string(),
@@ -278,12 +282,6 @@ pub async fn run_worker(config: WorkerConfig) -> Result<(), WorkerError> {
         tracing::info!(role = %state.role, kv_addr = %kv, "KV listener ready");
     }
     let state = Arc::new(state);
-    let listener = tokio::net::TcpListener::bind(config.addr)
-        .await
-        .map_err(|source| WorkerError::Listen {
-            addr: config.addr,
-            source,
-        })?;
     if let Some(gateway) = config.register.clone() {
         let local = listener.local_addr().map_err(WorkerError::Serve)?;
         let advertise = config
