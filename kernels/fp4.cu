@@ -150,6 +150,38 @@ __device__ __forceinline__ void fp4_mma_chunk(float* c, const u32 (&a)[8][4], co
     }
 }
 
+// A chunk's 8 mma steps for every token tile, each step's fragment made just
+// before its mmas (fewer live registers than dequantizing the chunk first,
+// as the GEMM does).
+template <bool NV, int NT>
+__device__ __forceinline__ void fp4_chunk_mma(float (&acc)[NT][4], uint4 wa, uint4 wb, u32 sa, u32 sb,
+                                              const uint4 (&xv)[NT][4]) {
+    u32 s[4];
+    fp4_scale_words<NV>(s, sa, sb);
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        u32 f[4];
+        fp4_frag<0>(f, wa, wb, s, q);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) fp4_mma(acc[nt], f, xv[nt][q], 0);
+        fp4_frag<1>(f, wa, wb, s, q);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) fp4_mma(acc[nt], f, xv[nt][q], 1);
+    }
+}
+
+// cp.async of a tile row's 4 (MX) or 8 (NV) scale bytes of a chunk, by the
+// lanes that copy them: a predicate, not a branch (the warp stays together).
+template <bool NV>
+__device__ __forceinline__ void fp4_copy_scales_if(u32 copy, u32 dst, const void* src) {
+    if (NV)
+        asm volatile("{.reg .pred p; setp.ne.b32 p, %2, 0; @p cp.async.ca.shared.global [%0], [%1], 8;}" ::"r"(dst),
+                     "l"(src), "r"(copy));
+    else
+        asm volatile("{.reg .pred p; setp.ne.b32 p, %2, 0; @p cp.async.ca.shared.global [%0], [%1], 4;}" ::"r"(dst),
+                     "l"(src), "r"(copy));
+}
+
 // Thread (lane, i) of an 8-token tile's accumulators: row g (i < 2) or g + 8,
 // token 2t + (i & 1).
 __device__ __forceinline__ void fp4_store(float* __restrict__ y, const float* __restrict__ row_scale, float s, int row,
@@ -222,6 +254,10 @@ __device__ __forceinline__ int fp4_b_rows() {
 #define GEMV_STAGES 2
 #define GEMV_STAGE_BYTES (1024 + 128)
 #define GEMV_WARPS 8
+// The fused kernels' pairs of chunks (below): a stage of 2 KB of codes and
+// 16 rows' 16 bytes of scales; on matrices of this many weights or more.
+#define GEMV_PAIR_STAGE_BYTES (2048 + 256)
+#define FP4_PAIRS_MIN_WEIGHTS (1ull << 25)
 
 // The fused modes' end of a tile, by lane (g, t = 0) of warp 0, which holds
 // token 0's sums of rows a (i = 0) and b (i = 2): the warps' parts added in
@@ -302,8 +338,218 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     const u32 scales_copy_at = opaque(warp_smem + GEMV_STAGES * 1024 + 8 * (g + 8 * t));
     const u32 scales_read_at = opaque(warp_smem + GEMV_STAGES * 1024 + 8 * g + (NV ? 2 : 1) * t);
 
-    // The next item to copy: how many were, how many of its tile are left,
-    // its column and where this lane copies from (the codes of row
+    const u32 b_off = (u32)fp4_b_rows<MODE>() * (u32)row_bytes;
+    // The residual's sums of squares: this thread's first one loaded now,
+    // used at the end of the block's first tile, so that no one waits for it.
+    const int sumsq_count = NORM ? cols / 16 : 0;
+    const float sumsq_first = (int)threadIdx.x < sumsq_count ? epi.sumsq_tiles[threadIdx.x] : 0.0f;
+
+    // A tile's end: the warps' partial sums added in a fixed order. Partial
+    // sums of alternate tiles in alternate halves, so one barrier a tile
+    // suffices (warp 0 reads half tl & 1 before any warp can pass the next
+    // tile's barrier and write it again). (Named barriers that kept only warp
+    // 0 waiting read the same, BENCHMARKS.md.)
+    auto finish_tile = [&](int tl, int ra, int rb, const float (&acc)[NT][4]) {
+        const int half = tl & 1;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) partial[half][warp][nt][lane][i] = acc[nt][i];
+        if (NORM && tl == 0) {  // the block's sum of the residual's squares, by warp
+            float ss = sumsq_first;
+            for (int i = threadIdx.x + GEMV_WARPS * 32; i < sumsq_count; i += GEMV_WARPS * 32) ss += epi.sumsq_tiles[i];
+            ss = warp_sum(ss);
+            if (lane == 0) sumsq[warp] = ss;
+        }
+        __syncthreads();
+        if (warp != 0) return;
+        if constexpr (MODE != FP4_PLAIN) {
+            if (t == 0) fp4_fused_store<MODE>(epi, partial[half], sumsq, lane, ra, rb, y, row_scale, cols,
+                                                          out_pow2);
+        } else {  // the fixed order of the sum keeps it deterministic
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    float s = 0.0f;
+#pragma unroll
+                    for (int w = 0; w < GEMV_WARPS; w++) s += partial[half][w][nt][lane][i];
+                    fp4_store(y, row_scale, s, i < 2 ? ra : rb, nt * 8 + 2 * t + (i & 1), n, rows, out_pow2, accumulate);
+                }
+        }
+    };
+
+    if (MODE != FP4_PLAIN && scales_staged && (chunks & 1) == 0 && (u64)rows * cols >= FP4_PAIRS_MIN_WEIGHTS) {
+        // Pairs of chunks (256 columns, 2 KB of codes an item): a tile row's
+        // 128 bytes of an item are one whole 128-byte line, copied by 8 lanes
+        // (4 rows an instruction), where a chunk's 64 bytes were half a line
+        // (8 rows an instruction; ncu: 12 L1 wavefronts for an ideal 4, the
+        // L1 the busiest unit at 72%). Warp w takes pairs w, w + 8, ...:
+        // chunks 2w, 2w + 1, 2w + 16, ... in that order, so the sums differ
+        // from the plain GEMV's in order: only the fused kernels (fast
+        // numerics, no GEMM to agree with) take it, and only on matrices of
+        // FP4_PAIRS_MIN_WEIGHTS or more, where a warp has several pairs (8B:
+        // gate/up +8%, down +2%; QKV and O, two pairs a warp, lost 6%).
+        const int pairs = chunks >> 1;
+        const int per_tile_p = warp < pairs ? (pairs - warp + GEMV_WARPS - 1) / GEMV_WARPS : 0;
+        const int items_p = per_tile_p * my_tiles;
+        // A stage: codes of the pair's two chunks (1 KB each, laid out as a
+        // chunk's stage above), then the 16 rows' scales, 16 bytes a row.
+        constexpr u32 stage_bytes = GEMV_PAIR_STAGE_BYTES;
+        const u32 pair_smem = smem_u32(smem) + warp * GEMV_STAGES * stage_bytes;
+        // This lane copies piece p = lane % 8 (16 bytes) of tile rows r0 + 4 m
+        // (r0 = lane / 8), to where the readers of chunk p / 4 expect it.
+        const int r0 = lane >> 3, piece = lane & 7;
+        const u32 copy_at = opaque(pair_smem + (piece >> 2) * 1024 + 16 * (piece & 3) + 64 * r0);
+        const u32 read_at = opaque(pair_smem + 16 * lane);
+        const u32 scales_copy_p = opaque(pair_smem + 2048 + 16 * (lane & 15));
+        const u32 scales_read_p = opaque(pair_smem + 2048 + 16 * g + (NV ? 2 : 1) * t);
+        // Tile row r's matrix row, from row 0's: rows g and g + 8 of a lane.
+        auto tile_row_of = [&](int tile, int r) {
+            return r < 8 ? fp4_tile_row<MODE>(tile, r) : fp4_tile_row<MODE>(tile, r - 8) + fp4_b_rows<MODE>();
+        };
+        const unsigned char* src_c[4] = {codes, codes, codes, codes};
+        const unsigned char* src_s = scales;
+        int issued = 0, tile_left = 0, next_tile = blockIdx.y, write_stage = 0, read_stage = 0;
+        auto next_stage = [](int s) { return s + 1 == GEMV_STAGES ? 0 : s + 1; };
+        const u32 copies_scales = opaque((u32)(lane < 16));
+        auto issue = [&]() {
+            if (issued < items_p) {
+                if (tile_left == 0) {
+#pragma unroll
+                    for (int m = 0; m < 4; m++)
+                        src_c[m] = codes + ((u32)tile_row_of(next_tile, r0 + 4 * m) * (u32)row_bytes + (warp << 7) + 16 * piece);
+                    src_s = scales + ((u32)tile_row_of(next_tile, lane & 15) * per_row_scales + warp * 2 * chunk_scales);
+                    tile_left = per_tile_p;
+                    next_tile += gridDim.y;
+                }
+                const u32 at = copy_at + write_stage * stage_bytes;
+#pragma unroll
+                for (int m = 0; m < 4; m++) {
+                    cp_async16_shared(at + 256 * m, src_c[m], 16);
+                    src_c[m] += GEMV_WARPS * 128;
+                }
+                const u32 sat = scales_copy_p + write_stage * stage_bytes;
+                if (NV)
+                    asm volatile("{.reg .pred p; setp.ne.b32 p, %2, 0; @p cp.async.ca.shared.global [%0], [%1], 16;}" ::"r"(sat),
+                                 "l"(src_s), "r"(copies_scales));
+                else
+                    asm volatile("{.reg .pred p; setp.ne.b32 p, %2, 0; @p cp.async.ca.shared.global [%0], [%1], 8;}" ::"r"(sat),
+                                 "l"(src_s), "r"(copies_scales));
+                src_s += GEMV_WARPS * 2 * chunk_scales;
+                write_stage = next_stage(write_stage);
+                issued++;
+                tile_left--;
+            }
+            asm volatile("cp.async.commit_group;");
+        };
+#pragma unroll
+        for (int s = 0; s < GEMV_STAGES - 1; s++) issue();
+        const bf16* x_tok[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) x_tok[nt] = opaque(x + (u64)min(nt * 8 + g, n - 1) * cols + (warp << 8) + 32 * t);
+        for (int tl = 0; tl < my_tiles; tl++) {
+            const int ra = fp4_tile_row<MODE>((int)blockIdx.y + tl * (int)gridDim.y, g), rb = ra + fp4_b_rows<MODE>();
+            float acc[NT][4] = {};
+            for (int j = 0, xo = 0; j < per_tile_p; j++, xo += GEMV_WARPS * 256) {
+                uint4 xv[NT][4];
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) xv[nt][i] = __ldg((const uint4*)(x_tok[nt] + xo + 8 * i));
+                issue();
+                asm volatile("cp.async.wait_group %0;" ::"n"(GEMV_STAGES - 1));
+                __syncwarp();  // the item is in, the scales copied by other lanes too
+                const u32 rc = read_at + read_stage * stage_bytes, rs = scales_read_p + read_stage * stage_bytes;
+                read_stage = next_stage(read_stage);
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const uint4 wa = lds128(rc + h * 1024), wb = lds128(rc + h * 1024 + 512);
+                    const u32 so = h * (NV ? 8 : 4);
+                    const u32 sa = NV ? lds_u16(rs + so) : lds_u8(rs + so), sb = NV ? lds_u16(rs + 128 + so) : lds_u8(rs + 128 + so);
+                    if (h == 1) {
+                        __syncwarp();  // every lane has read the stage before the next issue refills it
+#pragma unroll
+                        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                            for (int i = 0; i < 4; i++) xv[nt][i] = __ldg((const uint4*)(x_tok[nt] + xo + 128 + 8 * i));
+                    }
+                    fp4_chunk_mma<NV, NT>(acc, wa, wb, sa, sb, xv);
+                }
+            }
+            finish_tile(tl, ra, rb, acc);
+        }
+        asm volatile("cp.async.wait_group 0;");
+        return;
+    }
+
+    if (scales_staged && (MODE != FP4_PLAIN || (rows & 15) == 0)) {
+        // Every tile whole (each 8B shape): a lean loop. No bounds to check,
+        // so a lane's sources are pointers stepped by a constant; a token past
+        // n reads token n - 1's x again (its sums are never stored) instead of
+        // zeros under a predicate; the scale copies are predicated, not a
+        // branch that splits the warp. ~85 instructions an item outside the
+        // dequantization and mmas fell to ~35 (SASS).
+        const unsigned char* src_c = codes;
+        const unsigned char* src_s = scales;
+        int issued = 0, tile_left = 0, next_tile = blockIdx.y;
+        // The stages this lane writes next and reads next.
+        int write_stage = 0, read_stage = 0;
+        auto next_stage = [](int s) { return s + 1 == GEMV_STAGES ? 0 : s + 1; };
+        const u32 copies_scales = opaque((u32)(t < 2));
+        auto issue = [&]() {
+            if (issued < items) {
+                if (tile_left == 0) {
+                    const int ra = fp4_tile_row<MODE>(next_tile, g), rb = ra + fp4_b_rows<MODE>();
+                    src_c = codes + ((u32)ra * (u32)row_bytes + (warp << 6) + 16 * t);
+                    src_s = scales + ((u32)(t == 0 ? ra : rb) * per_row_scales + warp * chunk_scales);
+                    tile_left = per_tile;
+                    next_tile += gridDim.y;
+                }
+                const u32 write_c = codes_at + (write_stage << 10);
+                cp_async16_shared(write_c, src_c, 16);
+                cp_async16_shared(write_c + 512, src_c + b_off, 16);
+                fp4_copy_scales_if<NV>(copies_scales, scales_copy_at + (write_stage << 7), src_s);
+                write_stage = next_stage(write_stage);
+                src_c += GEMV_WARPS * 64;
+                src_s += GEMV_WARPS * chunk_scales;
+                issued++;
+                tile_left--;
+            }
+            asm volatile("cp.async.commit_group;");
+        };
+#pragma unroll
+        for (int s = 0; s < GEMV_STAGES - 1; s++) issue();
+        const bf16* x_tok[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) x_tok[nt] = opaque(x + (u64)min(nt * 8 + g, n - 1) * cols + (warp << 7) + 32 * t);
+        for (int tl = 0; tl < my_tiles; tl++) {
+            const int ra = fp4_tile_row<MODE>((int)blockIdx.y + tl * (int)gridDim.y, g), rb = ra + fp4_b_rows<MODE>();
+            float acc[NT][4] = {};
+            for (int j = 0, xo = 0; j < per_tile; j++, xo += GEMV_WARPS * 128) {
+                uint4 xv[NT][4];
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) xv[nt][i] = __ldg((const uint4*)(x_tok[nt] + xo + 8 * i));
+                issue();
+                asm volatile("cp.async.wait_group %0;" ::"n"(GEMV_STAGES - 1));
+                __syncwarp();  // the item is in, the scales copied by other lanes too
+                const u32 read_c = codes_at + (read_stage << 10), read_s = scales_read_at + (read_stage << 7);
+                const uint4 wa = lds128(read_c), wb = lds128(read_c + 512);
+                const u32 sa = NV ? lds_u16(read_s) : lds_u8(read_s), sb = NV ? lds_u16(read_s + 64) : lds_u8(read_s + 64);
+                read_stage = next_stage(read_stage);
+                __syncwarp();  // every lane has read the stage before the next issue refills it
+                fp4_chunk_mma<NV, NT>(acc, wa, wb, sa, sb, xv);
+            }
+            finish_tile(tl, ra, rb, acc);
+        }
+        asm volatile("cp.async.wait_group 0;");
+        return;
+    }
+
+    // Any shape: the next item to copy: how many were, how many of its tile
+    // are left, its column and where this lane copies from (the codes of row
     // g, those of g + 8 b_off on; the scales of row g, t = 0, or g + 8, t = 1;
     // 32-bit offsets: a matrix's codes stay under 4 GB, fp4.rs checks).
     // A tile wholly inside the matrix (every row there, whole chunks) copies
@@ -311,7 +557,6 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     int issued = 0, tile_left = 0, next_tile = blockIdx.y, next_k = 0;
     u32 next_a = 0, next_s = 0;
     bool next_ina = false, next_inb = false, next_ins = false, next_whole = false;
-    const u32 b_off = (u32)fp4_b_rows<MODE>() * (u32)row_bytes;
     const bool copies_scales = scales_staged && t < 2;
     // Copies the next item into its stage and commits a group (an empty one
     // past the last item, so that the wait below always counts the same).
@@ -331,7 +576,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                 tile_left = per_tile;
                 next_tile += gridDim.y;
             }
-            const int stage = issued & (GEMV_STAGES - 1);
+            const int stage = issued % GEMV_STAGES;
             const u32 ca = codes_at + (stage << 10), sc = scales_copy_at + (stage << 7);
             if (next_whole) {
                 cp_async16_shared(ca, codes + next_a, 16);
@@ -363,10 +608,6 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     };
 #pragma unroll
     for (int s = 0; s < GEMV_STAGES - 1; s++) issue();
-    // The residual's sums of squares: this thread's first one loaded now,
-    // used at the end of the block's first tile, so that no one waits for it.
-    const int sumsq_count = NORM ? cols / 16 : 0;
-    const float sumsq_first = (int)threadIdx.x < sumsq_count ? epi.sumsq_tiles[threadIdx.x] : 0.0f;
 
     // This lane's x: token g (and g + 8), from the warp's first chunk.
     const bf16* const x_lane = opaque(x + (u64)g * cols + (warp << 7) + 32 * t);
@@ -376,9 +617,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     int item = 0;
     for (int tl = 0; tl < my_tiles; tl++) {
         const int ra = fp4_tile_row<MODE>((int)blockIdx.y + tl * (int)gridDim.y, g), rb = ra + fp4_b_rows<MODE>();
-        float acc[NT][4];
-#pragma unroll
-        for (int i = 0; i < NT; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+        float acc[NT][4] = {};
         const bf16* xp = x_lane;
         int k = (warp << 7) + 32 * t;
         for (int j = 0; j < per_tile; j++, item++, k += GEMV_WARPS * 128, xp += GEMV_WARPS * 128) {
@@ -403,7 +642,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
             issue();
             asm volatile("cp.async.wait_group %0;" ::"n"(GEMV_STAGES - 1));
             __syncwarp();  // the item is in, the scales copied by other lanes too
-            const int stage = item & (GEMV_STAGES - 1);
+            const int stage = item % GEMV_STAGES;
             const u32 ca = codes_at + (stage << 10), sr = scales_read_at + (stage << 7);
             const uint4 wa = lds128(ca), wb = lds128(ca + 512);
             if (scales_staged) {
@@ -416,56 +655,16 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                 }
             }
             __syncwarp();  // every lane has read the stage before the next issue refills it
-            // Each step's fragment made just before its mmas (fewer live
-            // registers than dequantizing the chunk first, as the GEMM does).
-            u32 s[4];
-            fp4_scale_words<NV>(s, sa, sb);
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                u32 f[4];
-                fp4_frag<0>(f, wa, wb, s, q);
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) fp4_mma(acc[nt], f, xv[nt][q], 0);
-                fp4_frag<1>(f, wa, wb, s, q);
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) fp4_mma(acc[nt], f, xv[nt][q], 1);
-            }
+            fp4_chunk_mma<NV, NT>(acc, wa, wb, sa, sb, xv);
         }
-        // The tile's sums: partial sums of alternate tiles in alternate
-        // halves, so one barrier a tile suffices (warp 0 reads half tl & 1
-        // before any warp can pass the next tile's barrier and write it again).
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) partial[tl & 1][warp][nt][lane][i] = acc[nt][i];
-        if (NORM && tl == 0) {  // the block's sum of the residual's squares, by warp
-            float ss = sumsq_first;
-            for (int i = threadIdx.x + GEMV_WARPS * 32; i < sumsq_count; i += GEMV_WARPS * 32) ss += epi.sumsq_tiles[i];
-            ss = warp_sum(ss);
-            if (lane == 0) sumsq[warp] = ss;
-        }
-        __syncthreads();
-        if constexpr (MODE != FP4_PLAIN) {
-            if (warp == 0 && t == 0) fp4_fused_store<MODE>(epi, partial[tl & 1], sumsq, lane, ra, rb, y, row_scale, cols,
-                                                          out_pow2);
-        } else if (warp == 0) {  // the fixed order of the sum keeps it deterministic
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    float s = 0.0f;
-#pragma unroll
-                    for (int w = 0; w < GEMV_WARPS; w++) s += partial[tl & 1][w][nt][lane][i];
-                    fp4_store(y, row_scale, s, i < 2 ? ra : rb, nt * 8 + 2 * t + (i & 1), n, rows, out_pow2, accumulate);
-                }
-        }
+        finish_tile(tl, ra, rb, acc);
     }
     asm volatile("cp.async.wait_group 0;");
 }
 
 // cols a multiple of 32; 8 (n8) or 16 (n16) tokens a block (blockIdx.x), a
 // grid of as many blocks as an SM holds at once over the row tiles
-// (blockIdx.y), GEMV_WARPS * GEMV_STAGES * GEMV_STAGE_BYTES of dynamic
+// (blockIdx.y), GEMV_WARPS * GEMV_STAGES * GEMV_PAIR_STAGE_BYTES of dynamic
 // shared memory (fp4.rs).
 #define FP4_ARGS const unsigned char *__restrict__ codes, const unsigned char *__restrict__ scales, \
                  const float *__restrict__ row_scale, const bf16 *__restrict__ x, float *__restrict__ y, int n, \

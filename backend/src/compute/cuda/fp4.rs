@@ -34,8 +34,9 @@ fn gemv_tokens_per_block(n: usize) -> usize {
 const FP4_WARPS: u32 = 8;
 
 /// The GEMV's shared memory for its cp.async pipeline (`fp4.cu`:
-/// GEMV_WARPS x GEMV_STAGES x GEMV_STAGE_BYTES).
-const GEMV_SMEM: u32 = FP4_WARPS * 2 * (1024 + 128);
+/// GEMV_WARPS x GEMV_STAGES x GEMV_PAIR_STAGE_BYTES, the larger stages of the
+/// fused kernels' pairs of chunks; still three blocks an SM).
+const GEMV_SMEM: u32 = FP4_WARPS * 2 * (2048 + 256);
 
 /// Tokens a GEMM block takes (`fp4.cu`'s GEMM_TOKENS) and rows (a 16-row
 /// tile per warp).

@@ -347,14 +347,14 @@ fn assert_fused_equals_separate(
     );
     assert_eq!(b.q, a.q, "{what}: q");
     assert_eq!(b.kv, a.kv, "{what}: the caches");
+    // Written: the caches start as zeros. (Not every value: with x = +-2 a
+    // sum over 2,048 columns can come out exactly 0.)
+    let mostly_nonzero = |v: &[f32]| v.iter().filter(|v| **v == 0.0).count() * 16 <= v.len();
     assert!(
-        a.kv.0[kv_at.clone()].iter().all(|v| *v != 0.0),
+        mostly_nonzero(&a.kv.0[kv_at.clone()]),
         "{what}: K was written"
     );
-    assert!(
-        a.kv.1[kv_at].iter().all(|v| *v != 0.0),
-        "{what}: V was written"
-    );
+    assert!(mostly_nonzero(&a.kv.1[kv_at]), "{what}: V was written");
     assert_eq!(b.act, a.act, "{what}: act");
     assert!(a.act.iter().any(|&v| v != 0), "{what}: act was written");
 
@@ -511,8 +511,11 @@ fn fused_fp4_one_token_gemvs_equal_the_separate_kernels() {
     let Some(gpu) = gpu() else { return };
     // 512 columns: whole 128-column chunks, scales staged; 576 (SmolLM2's):
     // not. FFN 3,200: 400 tiles of gate/up, more than the grid's blocks on
-    // an H200, so blocks walk several.
-    for (hidden, ffn) in [(512, 320), (576, 3200)] {
+    // an H200, so blocks walk several. Hidden 2,048 with FFN 8,192: gate/up
+    // (16,384 x 2,048) is large enough for the fused kernel's pairs of chunks
+    // (fp4.cu, FP4_PAIRS_MIN_WEIGHTS), summed in another order than the
+    // plain GEMV's.
+    for (hidden, ffn) in [(512, 320), (576, 3200), (2048, 8192)] {
         let c = LlamaConfig {
             hidden,
             ffn,
@@ -875,8 +878,11 @@ fn fp4_gemv_matches_the_cpu_reference() {
     // several, its cp.async pipeline running on from one tile to the next),
     // with warps that have no chunk (256 columns: two), one that has two
     // while the rest have one (1,152), and scales not staged (1,088 columns
-    // are not whole chunks); these run the GEMV's token counts only.
+    // are not whole chunks); these run the GEMV's token counts only. Rows a
+    // multiple of 16 and whole chunks take the GEMV's lean loop, the rest its
+    // general one.
     let tall = 16 * 4 * gpu.sm_count as usize + 40;
+    let whole_tall = tall - 40;
     for (rows, cols) in [
         (40, 640),
         (16, 128),
@@ -885,6 +891,8 @@ fn fp4_gemv_matches_the_cpu_reference() {
         (tall, 256),
         (tall, 1152),
         (tall, 1088),
+        (whole_tall, 256),
+        (whole_tall, 1152),
     ] {
         let w: Vec<f32> = values(rows * cols, 41)
             .iter()
@@ -910,7 +918,7 @@ fn fp4_gemv_matches_the_cpu_reference() {
                     (100, Some(SumOrder::AsGemv)),
                 ])
             {
-                if rows == tall && n > 17 {
+                if rows >= whole_tall && n > 17 {
                     continue;
                 }
                 let x = from_bf16(&to_bf16(&values(n * cols, 50 + n as u64)));
