@@ -21,8 +21,9 @@
 // A block of 8 warps takes 16-row tiles (blockIdx.y, + gridDim.y, ...: the
 // grid is as many blocks as the GPU holds at once) and NT * 8 tokens
 // (blockIdx.x); its warps split a tile's columns in chunks of 128 (warp w
-// takes chunks w, w + 8, ...), copying the next chunk while multiplying this
-// one (the pipeline below); a row's last chunk may be partial (cols a
+// takes chunks w, w + 8, ...; in the fused kernels on large matrices, pairs
+// of chunks, below), copying the next chunk while multiplying this one (the
+// pipeline below); a row's last chunk may be partial (cols a
 // multiple of 32: a lane's 32 columns are all in or all out). Each chunk is
 // dequantized once for all the block's tokens.
 // (With 4 warps the 384 blocks of an 8B model's qkv filled 0.48 waves of the
@@ -488,8 +489,9 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
         // so a lane's sources are pointers stepped by a constant; a token past
         // n reads token n - 1's x again (its sums are never stored) instead of
         // zeros under a predicate; the scale copies are predicated, not a
-        // branch that splits the warp. ~85 instructions an item outside the
-        // dequantization and mmas fell to ~35 (SASS).
+        // branch that splits the warp. ~225 instructions a warp an item fell
+        // to ~185 (SASS): even at one token (the L1, not issue, bounds it;
+        // BENCHMARKS.md), +3-4% at 8.
         const unsigned char* src_c = codes;
         const unsigned char* src_s = scales;
         int issued = 0, tile_left = 0, next_tile = blockIdx.y;
