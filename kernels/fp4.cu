@@ -171,16 +171,22 @@ __device__ __forceinline__ void fp4_chunk_mma(float (&acc)[NT][4], uint4 wa, uin
     }
 }
 
-// cp.async of a tile row's 4 (MX) or 8 (NV) scale bytes of a chunk, by the
-// lanes that copy them: a predicate, not a branch (the warp stays together).
-template <bool NV>
-__device__ __forceinline__ void fp4_copy_scales_if(u32 copy, u32 dst, const void* src) {
-    if (NV)
-        asm volatile("{.reg .pred p; setp.ne.b32 p, %2, 0; @p cp.async.ca.shared.global [%0], [%1], 8;}" ::"r"(dst),
-                     "l"(src), "r"(copy));
-    else
-        asm volatile("{.reg .pred p; setp.ne.b32 p, %2, 0; @p cp.async.ca.shared.global [%0], [%1], 4;}" ::"r"(dst),
-                     "l"(src), "r"(copy));
+// cp.async of BYTES (4, 8 or 16) by the lanes whose `copy` is non-zero: a
+// predicate, not a branch (the warp stays together). The GEMVs' scale rows.
+template <int BYTES>
+__device__ __forceinline__ void cp_async_if(u32 copy, u32 dst, const void* src) {
+    asm volatile("{.reg .pred p; setp.ne.b32 p, %2, 0; @p cp.async.ca.shared.global [%0], [%1], %3;}" ::"r"(dst),
+                 "l"(src), "r"(copy), "n"(BYTES));
+}
+
+// A chunk's x for each token tile: lane (g, t)'s 32 columns (4 x 16 bytes)
+// from `x_tok[nt] + xo`.
+template <int NT>
+__device__ __forceinline__ void fp4_load_x(uint4 (&xv)[NT][4], const bf16* const (&x_tok)[NT], int xo) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) xv[nt][i] = __ldg((const uint4*)(x_tok[nt] + xo + 8 * i));
 }
 
 // Thread (lane, i) of an 8-token tile's accumulators: row g (i < 2) or g + 8,
@@ -430,13 +436,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                     cp_async16_shared(at + 256 * m, src_c[m], 16);
                     src_c[m] += GEMV_WARPS * 128;
                 }
-                const u32 sat = scales_copy_p + write_stage * stage_bytes;
-                if (NV)
-                    asm volatile("{.reg .pred p; setp.ne.b32 p, %2, 0; @p cp.async.ca.shared.global [%0], [%1], 16;}" ::"r"(sat),
-                                 "l"(src_s), "r"(copies_scales));
-                else
-                    asm volatile("{.reg .pred p; setp.ne.b32 p, %2, 0; @p cp.async.ca.shared.global [%0], [%1], 8;}" ::"r"(sat),
-                                 "l"(src_s), "r"(copies_scales));
+                cp_async_if<NV ? 16 : 8>(copies_scales, scales_copy_p + write_stage * stage_bytes, src_s);
                 src_s += GEMV_WARPS * 2 * chunk_scales;
                 write_stage = next_stage(write_stage);
                 issued++;
@@ -454,10 +454,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
             float acc[NT][4] = {};
             for (int j = 0, xo = 0; j < per_tile_p; j++, xo += GEMV_WARPS * 256) {
                 uint4 xv[NT][4];
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int i = 0; i < 4; i++) xv[nt][i] = __ldg((const uint4*)(x_tok[nt] + xo + 8 * i));
+                fp4_load_x<NT>(xv, x_tok, xo);
                 issue();
                 asm volatile("cp.async.wait_group %0;" ::"n"(GEMV_STAGES - 1));
                 __syncwarp();  // the item is in, the scales copied by other lanes too
@@ -470,10 +467,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                     const u32 sa = NV ? lds_u16(rs + so) : lds_u8(rs + so), sb = NV ? lds_u16(rs + 128 + so) : lds_u8(rs + 128 + so);
                     if (h == 1) {
                         __syncwarp();  // every lane has read the stage before the next issue refills it
-#pragma unroll
-                        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                            for (int i = 0; i < 4; i++) xv[nt][i] = __ldg((const uint4*)(x_tok[nt] + xo + 128 + 8 * i));
+                        fp4_load_x<NT>(xv, x_tok, xo + 128);
                     }
                     fp4_chunk_mma<NV, NT>(acc, wa, wb, sa, sb, xv);
                 }
@@ -511,7 +505,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                 const u32 write_c = codes_at + (write_stage << 10);
                 cp_async16_shared(write_c, src_c, 16);
                 cp_async16_shared(write_c + 512, src_c + b_off, 16);
-                fp4_copy_scales_if<NV>(copies_scales, scales_copy_at + (write_stage << 7), src_s);
+                cp_async_if<NV ? 8 : 4>(copies_scales, scales_copy_at + (write_stage << 7), src_s);
                 write_stage = next_stage(write_stage);
                 src_c += GEMV_WARPS * 64;
                 src_s += GEMV_WARPS * chunk_scales;
@@ -530,10 +524,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
             float acc[NT][4] = {};
             for (int j = 0, xo = 0; j < per_tile; j++, xo += GEMV_WARPS * 128) {
                 uint4 xv[NT][4];
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int i = 0; i < 4; i++) xv[nt][i] = __ldg((const uint4*)(x_tok[nt] + xo + 8 * i));
+                fp4_load_x<NT>(xv, x_tok, xo);
                 issue();
                 asm volatile("cp.async.wait_group %0;" ::"n"(GEMV_STAGES - 1));
                 __syncwarp();  // the item is in, the scales copied by other lanes too
