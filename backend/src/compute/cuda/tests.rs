@@ -511,16 +511,18 @@ fn fused_fp4_one_token_gemvs_equal_the_separate_kernels() {
     let Some(gpu) = gpu() else { return };
     // 512 columns: whole 128-column chunks, scales staged; 576 (SmolLM2's):
     // not. FFN 3,200: 400 tiles of gate/up, more than the grid's blocks on
-    // an H200, so blocks walk several. Hidden 2,048 with FFN 8,192: gate/up
-    // (16,384 x 2,048) is large enough for the fused kernel's pairs of chunks
-    // (fp4.cu, FP4_PAIRS_MIN_WEIGHTS), summed in another order than the
-    // plain GEMV's.
-    for (hidden, ffn) in [(512, 320), (576, 3200), (2048, 8192)] {
+    // an H200, so blocks walk several. Hidden 2,048 with FFN 8,192 and 128
+    // heads (64 for KV): QKV (16,384 x 2,048) and gate/up (the same) are
+    // large enough for the fused kernels' pairs of chunks (fp4.cu,
+    // FP4_PAIRS_MIN_WEIGHTS), summed in another order than the plain GEMV's.
+    for (hidden, ffn, heads, kv_heads) in
+        [(512, 320, 6, 2), (576, 3200, 6, 2), (2048, 8192, 128, 64)]
+    {
         let c = LlamaConfig {
             hidden,
             ffn,
             rms_eps: 0.0,
-            ..tiny_config(64, 6, 2)
+            ..tiny_config(64, heads, kv_heads)
         };
         let (q_dim, kv_dim) = (c.q_dim(), c.kv_dim());
         let qkv_rows = q_dim + 2 * kv_dim;
