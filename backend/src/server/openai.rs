@@ -585,10 +585,7 @@ impl Frontend {
                                 let error = ApiError::unavailable(
                                     "the generation stopped before it finished",
                                 );
-                                text.extend_from_slice(
-                                    format!("data: {}\n\ndata: [DONE]\n\n", error.body())
-                                        .as_bytes(),
-                                );
+                                write_sse_error(&mut text, &error);
                                 return Some((Ok(text), (writer, events, on_usage, true)));
                             }
                         },
@@ -757,8 +754,10 @@ impl ChunkWriter {
                 out.extend_from_slice(b"data: [DONE]\n\n");
             }
             GenerateEvent::Error { message, status } => {
-                let body = ApiError::with_code(status, StatusCode::BAD_REQUEST, message).body();
-                out.extend_from_slice(format!("data: {body}\n\ndata: [DONE]\n\n").as_bytes());
+                write_sse_error(
+                    out,
+                    &ApiError::with_code(status, StatusCode::BAD_REQUEST, message),
+                );
             }
         }
     }
@@ -782,6 +781,12 @@ impl ChunkWriter {
         serde_json::to_writer(&mut *out, &chunk).expect("a chunk serializes");
         out.extend_from_slice(b"\n\n");
     }
+}
+
+/// Appends the end of a stream that failed: the error's body as the last
+/// `data:` line, then `[DONE]`.
+fn write_sse_error(out: &mut Vec<u8>, error: &ApiError) {
+    out.extend_from_slice(format!("data: {}\n\ndata: [DONE]\n\n", error.body()).as_bytes());
 }
 
 /// The text of a chat message's content.
