@@ -266,6 +266,17 @@ __device__ __forceinline__ int fp4_b_rows() {
 #define GEMV_PAIR_STAGE_BYTES (2048 + 256)
 #define FP4_PAIRS_MIN_WEIGHTS (1ull << 25)
 
+// The stage after stage s of a GEMV pipeline.
+__device__ __forceinline__ int gemv_next_stage(int s) { return s + 1 == GEMV_STAGES ? 0 : s + 1; }
+
+// Lane row g's x for each token tile, from column `col`: token nt * 8 + g, or
+// token n - 1 past the last (its sums are never stored; no predicate, no zeros).
+template <int NT>
+__device__ __forceinline__ void fp4_x_lanes(const bf16* (&x_tok)[NT], const bf16* x, int g, int n, int cols, int col) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) x_tok[nt] = opaque(x + (u64)min(nt * 8 + g, n - 1) * cols + col);
+}
+
 // The fused modes' end of a tile, by lane (g, t = 0) of warp 0, which holds
 // token 0's sums of rows a (i = 0) and b (i = 2): the warps' parts added in
 // warp order, as fp4_store scales them.
@@ -418,7 +429,6 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
         const unsigned char* src_c[4] = {codes, codes, codes, codes};
         const unsigned char* src_s = scales;
         int issued = 0, tile_left = 0, next_tile = blockIdx.y, write_stage = 0, read_stage = 0;
-        auto next_stage = [](int s) { return s + 1 == GEMV_STAGES ? 0 : s + 1; };
         const u32 copies_scales = opaque((u32)(lane < 16));
         auto issue = [&]() {
             if (issued < items_p) {
@@ -438,7 +448,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                 }
                 cp_async_if<NV ? 16 : 8>(copies_scales, scales_copy_p + write_stage * stage_bytes, src_s);
                 src_s += GEMV_WARPS * 2 * chunk_scales;
-                write_stage = next_stage(write_stage);
+                write_stage = gemv_next_stage(write_stage);
                 issued++;
                 tile_left--;
             }
@@ -447,8 +457,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
 #pragma unroll
         for (int s = 0; s < GEMV_STAGES - 1; s++) issue();
         const bf16* x_tok[NT];
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) x_tok[nt] = opaque(x + (u64)min(nt * 8 + g, n - 1) * cols + (warp << 8) + 32 * t);
+        fp4_x_lanes<NT>(x_tok, x, g, n, cols, (warp << 8) + 32 * t);
         for (int tl = 0; tl < my_tiles; tl++) {
             const int ra = fp4_tile_row<MODE>((int)blockIdx.y + tl * (int)gridDim.y, g), rb = ra + fp4_b_rows<MODE>();
             float acc[NT][4] = {};
@@ -459,7 +468,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                 asm volatile("cp.async.wait_group %0;" ::"n"(GEMV_STAGES - 1));
                 __syncwarp();  // the item is in, the scales copied by other lanes too
                 const u32 rc = read_at + read_stage * stage_bytes, rs = scales_read_p + read_stage * stage_bytes;
-                read_stage = next_stage(read_stage);
+                read_stage = gemv_next_stage(read_stage);
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     const uint4 wa = lds128(rc + h * 1024), wb = lds128(rc + h * 1024 + 512);
@@ -491,7 +500,6 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
         int issued = 0, tile_left = 0, next_tile = blockIdx.y;
         // The stages this lane writes next and reads next.
         int write_stage = 0, read_stage = 0;
-        auto next_stage = [](int s) { return s + 1 == GEMV_STAGES ? 0 : s + 1; };
         const u32 copies_scales = opaque((u32)(t < 2));
         auto issue = [&]() {
             if (issued < items) {
@@ -506,7 +514,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                 cp_async16_shared(write_c, src_c, 16);
                 cp_async16_shared(write_c + 512, src_c + b_off, 16);
                 cp_async_if<NV ? 8 : 4>(copies_scales, scales_copy_at + (write_stage << 7), src_s);
-                write_stage = next_stage(write_stage);
+                write_stage = gemv_next_stage(write_stage);
                 src_c += GEMV_WARPS * 64;
                 src_s += GEMV_WARPS * chunk_scales;
                 issued++;
@@ -517,8 +525,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
 #pragma unroll
         for (int s = 0; s < GEMV_STAGES - 1; s++) issue();
         const bf16* x_tok[NT];
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) x_tok[nt] = opaque(x + (u64)min(nt * 8 + g, n - 1) * cols + (warp << 7) + 32 * t);
+        fp4_x_lanes<NT>(x_tok, x, g, n, cols, (warp << 7) + 32 * t);
         for (int tl = 0; tl < my_tiles; tl++) {
             const int ra = fp4_tile_row<MODE>((int)blockIdx.y + tl * (int)gridDim.y, g), rb = ra + fp4_b_rows<MODE>();
             float acc[NT][4] = {};
@@ -531,7 +538,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                 const u32 read_c = codes_at + (read_stage << 10), read_s = scales_read_at + (read_stage << 7);
                 const uint4 wa = lds128(read_c), wb = lds128(read_c + 512);
                 const u32 sa = NV ? lds_u16(read_s) : lds_u8(read_s), sb = NV ? lds_u16(read_s + 64) : lds_u8(read_s + 64);
-                read_stage = next_stage(read_stage);
+                read_stage = gemv_next_stage(read_stage);
                 __syncwarp();  // every lane has read the stage before the next issue refills it
                 fp4_chunk_mma<NV, NT>(acc, wa, wb, sa, sb, xv);
             }
