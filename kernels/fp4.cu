@@ -21,11 +21,11 @@
 // A block of 8 warps takes 16-row tiles (blockIdx.y, + gridDim.y, ...: the
 // grid is as many blocks as the GPU holds at once) and NT * 8 tokens
 // (blockIdx.x); its warps split a tile's columns in chunks of 128 (warp w
-// takes chunks w, w + 8, ...; in the fused kernels on large matrices, pairs
-// of chunks, below), copying the next chunk while multiplying this one (the
-// pipeline below); a row's last chunk may be partial (cols a
-// multiple of 32: a lane's 32 columns are all in or all out). Each chunk is
-// dequantized once for all the block's tokens.
+// takes chunks w, w + 8, ...), each one contiguous KB of codes in the tiled
+// layout (below), copying the next chunk while multiplying this one (the
+// pipeline below); a row's last chunk may be partial (cols a multiple of 32:
+// a lane's 32 columns are all in or all out). Each chunk is dequantized once
+// for all the block's tokens.
 // (With 4 warps the 384 blocks of an 8B model's qkv filled 0.48 waves of the
 // H200's SMs: 11 warps an SM, 20% of DRAM bandwidth under ncu.) In a chunk
 // lane (g = lane / 4, t = lane % 4) loads 16 bytes (32 codes) of rows g and
@@ -248,23 +248,42 @@ __device__ __forceinline__ int fp4_b_rows() {
     return MODE == FP4_NORM_ROPE ? 1 : 8;
 }
 
+// The tiled layout (Fp4Weights::stack, fp4.rs): a 16-row tile's 128-column
+// chunk is one contiguous KB of codes, the tile's rows 64 bytes each in
+// slot fp4_slot(r) (rows 2 and 3, 6 and 7, ... swapped, so that both maps of
+// lanes to rows, g and g + 8 or 2g and 2g + 1, read a quarter-warp's 16-byte
+// loads from 8 distinct bank groups); tile i's chunk c is at (i * chunks + c)
+// KB. The scales likewise: a chunk's 16 rows of fp4_scale_row bytes (4 MX, 8
+// NV) together, at (i * chunks + c) * 16 * fp4_scale_row. Rows are padded to
+// 16 and columns to 128 with zeros (code 0 is +0), so every copy is whole;
+// x's columns past `cols` read as zeros. (Row-major codes gave a chunk's
+// copy half a 128-byte line a row, 8 rows an instruction: under ncu 12 L1
+// wavefronts for an ideal 4, and the scales' 4-byte rows 16 for an ideal 1,
+// the L1 the busiest unit at 72%.)
+__device__ __forceinline__ int fp4_slot(int r) { return r ^ ((r >> 1) & 1); }
+template <bool NV>
+constexpr int fp4_scale_row() {
+    return NV ? 8 : 4;
+}
+
 // The GEMV's pipeline: each warp copies its next chunk into shared memory
 // with cp.async while it multiplies this one (the codes used to come
 // straight into registers, four chunks a warp at a time, and a warp had
-// nothing in flight while it multiplied). One chunk ahead is best: three
-// ahead ran a layer's four matrices at 2.03-2.06 TB/s against 2.14-2.20,
-// none at 1.78-1.81 (BENCHMARKS.md). A warp's shared memory: GEMV_STAGES
-// stages of codes, 1 KB each (rows g, 16 bytes a lane at 16 lane, and rows
-// g + 8 at 512 + 16 lane: conflict-free 16-byte reads), then as many of
-// scales, 128 bytes each (the tile's 16 rows, 8 bytes a row, of which MX
-// uses 4).
+// nothing in flight while it multiplied). One chunk ahead is best: with
+// row-major codes three ahead ran a layer's four matrices at 2.03-2.06 TB/s
+// against 2.14-2.20, none at 1.78-1.81; with the tiled layout two ahead lost
+// 3%, and bulk copies (cp.async.bulk by lane 0, an mbarrier a stage) lost 4%
+// one ahead and 9% three ahead (BENCHMARKS.md). A warp's shared memory:
+// GEMV_STAGES stages, each an item's KB of codes and its scale bytes as they
+// lie in the tiled layout.
 #define GEMV_STAGES 2
 #define GEMV_STAGE_BYTES (1024 + 128)
 #define GEMV_WARPS 8
-// The fused kernels' pairs of chunks (below): a stage of 2 KB of codes and
-// 16 rows' 16 bytes of scales; on matrices of this many weights or more.
-#define GEMV_PAIR_STAGE_BYTES (2048 + 256)
-#define FP4_PAIRS_MIN_WEIGHTS (1ull << 25)
+
+template <bool B>
+struct fp4_bool {
+    static constexpr bool value = B;
+};
 
 // The stage after stage s of a GEMV pipeline.
 __device__ __forceinline__ int gemv_next_stage(int s) { return s + 1 == GEMV_STAGES ? 0 : s + 1; }
@@ -325,6 +344,8 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                                          int accumulate, const Fp4Epilogue& epi = Fp4Epilogue{}) {
     static_assert(MODE == FP4_PLAIN || NT == 1, "the fused epilogues take one token");
     constexpr bool NORM = MODE == FP4_NORM_ROPE || MODE == FP4_NORM_SWIGLU;
+    constexpr int SCALE_ROW = fp4_scale_row<NV>();
+    constexpr u32 ITEM_SCALES = 16 * SCALE_ROW;  // a chunk's scale bytes
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ float partial[2][GEMV_WARPS][NT][32][4];
     __shared__ float sumsq[GEMV_WARPS];
@@ -341,22 +362,19 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     const int per_tile = warp < chunks ? (chunks - warp + GEMV_WARPS - 1) / GEMV_WARPS : 0;
     const int my_tiles = (int)blockIdx.y < tiles ? (tiles - (int)blockIdx.y + (int)gridDim.y - 1) / (int)gridDim.y : 0;
     const int items = per_tile * my_tiles;
-    // Whole chunks keep every row's scales of a chunk 4- (MX) or 8-byte (NV)
-    // aligned for cp.async; other shapes (SmolLM2's 576 columns) load them
-    // when they are used.
-    const bool scales_staged = (cols & 127) == 0;
-    const u64 row_bytes = (u64)cols >> 1;
-    const int per_row_scales = cols / (NV ? 16 : 32), chunk_scales = NV ? 8 : 4;
-    // This lane's places in its warp's stage 0 (shared addresses): its codes
-    // (rows g; g + 8 512 on), the scale row it copies, the scale bytes of row
-    // g it reads (g + 8's 64 on). Stage s is s KB (codes) or 128 s (scales) on.
-    // (Opaque: the compiler would recompute them from threadIdx every chunk.)
+    // This lane's places in its warp's stage 0 (shared addresses): the 16
+    // bytes it copies of an item's codes (and 512 on), and of its scales
+    // (1024 on, lanes under ITEM_SCALES / 16); the codes and scale bytes it
+    // reads of its rows a and b. (Opaque: the compiler would recompute them
+    // from threadIdx every chunk.)
     const u32 warp_smem = smem_u32(smem) + warp * GEMV_STAGES * GEMV_STAGE_BYTES;
-    const u32 codes_at = opaque(warp_smem + 16 * lane);
-    const u32 scales_copy_at = opaque(warp_smem + GEMV_STAGES * 1024 + 8 * (g + 8 * t));
-    const u32 scales_read_at = opaque(warp_smem + GEMV_STAGES * 1024 + 8 * g + (NV ? 2 : 1) * t);
+    const int la = fp4_tile_row<MODE>(0, g), lb = la + fp4_b_rows<MODE>();
+    const u32 copy_at = opaque(warp_smem + 16 * lane);
+    const u32 codes_a = opaque(warp_smem + 64 * fp4_slot(la) + 16 * t);
+    const u32 codes_b = MODE == FP4_NORM_ROPE ? opaque(warp_smem + 64 * fp4_slot(lb) + 16 * t) : codes_a + 512;
+    const u32 scales_a = opaque(warp_smem + 1024 + SCALE_ROW * la + (NV ? 2 : 1) * t);
+    const u32 scales_b = scales_a + SCALE_ROW * fp4_b_rows<MODE>();
 
-    const u32 b_off = (u32)fp4_b_rows<MODE>() * (u32)row_bytes;
     // The residual's sums of squares: this thread's first one loaded now,
     // used at the end of the block's first tile, so that no one waits for it.
     const int sumsq_count = NORM ? cols / 16 : 0;
@@ -397,210 +415,32 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
         }
     };
 
-    if (MODE != FP4_PLAIN && scales_staged && (chunks & 1) == 0 && (u64)rows * cols >= FP4_PAIRS_MIN_WEIGHTS) {
-        // Pairs of chunks (256 columns, 2 KB of codes an item): a tile row's
-        // 128 bytes of an item are one whole 128-byte line, copied by 8 lanes
-        // (4 rows an instruction), where a chunk's 64 bytes were half a line
-        // (8 rows an instruction; ncu: 12 L1 wavefronts for an ideal 4, the
-        // L1 the busiest unit at 72%). Warp w takes pairs w, w + 8, ...:
-        // chunks 2w, 2w + 1, 2w + 16, ... in that order, so the sums differ
-        // from the plain GEMV's in order: only the fused kernels (fast
-        // numerics, no GEMM to agree with) take it, and only on matrices of
-        // FP4_PAIRS_MIN_WEIGHTS or more, where a warp has several pairs (8B:
-        // gate/up +8%, down +2%; QKV and O, two pairs a warp, lost 6%).
-        const int pairs = chunks >> 1;
-        const int per_tile_p = warp < pairs ? (pairs - warp + GEMV_WARPS - 1) / GEMV_WARPS : 0;
-        const int items_p = per_tile_p * my_tiles;
-        // A stage: codes of the pair's two chunks (1 KB each, laid out as a
-        // chunk's stage above), then the 16 rows' scales, 16 bytes a row.
-        constexpr u32 stage_bytes = GEMV_PAIR_STAGE_BYTES;
-        const u32 pair_smem = smem_u32(smem) + warp * GEMV_STAGES * stage_bytes;
-        // This lane copies piece p = lane % 8 (16 bytes) of tile rows r0 + 4 m
-        // (r0 = lane / 8), to where the readers of chunk p / 4 expect it.
-        const int r0 = lane >> 3, piece = lane & 7;
-        const u32 copy_at = opaque(pair_smem + (piece >> 2) * 1024 + 16 * (piece & 3) + 64 * r0);
-        const u32 read_at = opaque(pair_smem + 16 * lane);
-        const u32 scales_copy_p = opaque(pair_smem + 2048 + 16 * (lane & 15));
-        const u32 scales_read_p = opaque(pair_smem + 2048 + 16 * g + (NV ? 2 : 1) * t);
-        // Tile row r's matrix row, from row 0's: rows g and g + 8 of a lane.
-        auto tile_row_of = [&](int tile, int r) {
-            return r < 8 ? fp4_tile_row<MODE>(tile, r) : fp4_tile_row<MODE>(tile, r - 8) + fp4_b_rows<MODE>();
-        };
-        const unsigned char* src_c[4] = {codes, codes, codes, codes};
-        const unsigned char* src_s = scales;
-        int issued = 0, tile_left = 0, next_tile = blockIdx.y, write_stage = 0, read_stage = 0;
-        const u32 copies_scales = opaque((u32)(lane < 16));
-        auto issue = [&]() {
-            if (issued < items_p) {
-                if (tile_left == 0) {
-#pragma unroll
-                    for (int m = 0; m < 4; m++)
-                        src_c[m] = codes + ((u32)tile_row_of(next_tile, r0 + 4 * m) * (u32)row_bytes + (warp << 7) + 16 * piece);
-                    src_s = scales + ((u32)tile_row_of(next_tile, lane & 15) * per_row_scales + warp * 2 * chunk_scales);
-                    tile_left = per_tile_p;
-                    next_tile += gridDim.y;
-                }
-                const u32 at = copy_at + write_stage * stage_bytes;
-#pragma unroll
-                for (int m = 0; m < 4; m++) {
-                    cp_async16_shared(at + 256 * m, src_c[m], 16);
-                    src_c[m] += GEMV_WARPS * 128;
-                }
-                cp_async_if<NV ? 16 : 8>(copies_scales, scales_copy_p + write_stage * stage_bytes, src_s);
-                src_s += GEMV_WARPS * 2 * chunk_scales;
-                write_stage = gemv_next_stage(write_stage);
-                issued++;
-                tile_left--;
-            }
-            asm volatile("cp.async.commit_group;");
-        };
-#pragma unroll
-        for (int s = 0; s < GEMV_STAGES - 1; s++) issue();
-        const bf16* x_tok[NT];
-        fp4_x_lanes<NT>(x_tok, x, g, n, cols, (warp << 8) + 32 * t);
-        for (int tl = 0; tl < my_tiles; tl++) {
-            const int ra = fp4_tile_row<MODE>((int)blockIdx.y + tl * (int)gridDim.y, g), rb = ra + fp4_b_rows<MODE>();
-            float acc[NT][4] = {};
-            for (int j = 0, xo = 0; j < per_tile_p; j++, xo += GEMV_WARPS * 256) {
-                uint4 xv[NT][4];
-                fp4_load_x<NT>(xv, x_tok, xo);
-                issue();
-                asm volatile("cp.async.wait_group %0;" ::"n"(GEMV_STAGES - 1));
-                __syncwarp();  // the item is in, the scales copied by other lanes too
-                const u32 rc = read_at + read_stage * stage_bytes, rs = scales_read_p + read_stage * stage_bytes;
-                read_stage = gemv_next_stage(read_stage);
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const uint4 wa = lds128(rc + h * 1024), wb = lds128(rc + h * 1024 + 512);
-                    const u32 so = h * (NV ? 8 : 4);
-                    const u32 sa = NV ? lds_u16(rs + so) : lds_u8(rs + so), sb = NV ? lds_u16(rs + 128 + so) : lds_u8(rs + 128 + so);
-                    if (h == 1) {
-                        __syncwarp();  // every lane has read the stage before the next issue refills it
-                        fp4_load_x<NT>(xv, x_tok, xo + 128);
-                    }
-                    fp4_chunk_mma<NV, NT>(acc, wa, wb, sa, sb, xv);
-                }
-            }
-            finish_tile(tl, ra, rb, acc);
-        }
-        asm volatile("cp.async.wait_group 0;");
-        return;
-    }
-
-    if (scales_staged && (MODE != FP4_PLAIN || (rows & 15) == 0)) {
-        // Every tile whole (each 8B shape): a lean loop. No bounds to check,
-        // so a lane's sources are pointers stepped by a constant; a token past
-        // n reads token n - 1's x again (its sums are never stored) instead of
-        // zeros under a predicate; the scale copies are predicated, not a
-        // branch that splits the warp. ~225 instructions a warp an item fell
-        // to ~185 (SASS): even at one token (the L1, not issue, bounds it;
-        // BENCHMARKS.md), +3-4% at 8.
-        const unsigned char* src_c = codes;
-        const unsigned char* src_s = scales;
-        int issued = 0, tile_left = 0, next_tile = blockIdx.y;
-        // The stages this lane writes next and reads next.
-        int write_stage = 0, read_stage = 0;
-        const u32 copies_scales = opaque((u32)(t < 2));
-        auto issue = [&]() {
-            if (issued < items) {
-                if (tile_left == 0) {
-                    const int ra = fp4_tile_row<MODE>(next_tile, g), rb = ra + fp4_b_rows<MODE>();
-                    src_c = codes + ((u32)ra * (u32)row_bytes + (warp << 6) + 16 * t);
-                    src_s = scales + ((u32)(t == 0 ? ra : rb) * per_row_scales + warp * chunk_scales);
-                    tile_left = per_tile;
-                    next_tile += gridDim.y;
-                }
-                const u32 write_c = codes_at + (write_stage << 10);
-                cp_async16_shared(write_c, src_c, 16);
-                cp_async16_shared(write_c + 512, src_c + b_off, 16);
-                cp_async_if<NV ? 8 : 4>(copies_scales, scales_copy_at + (write_stage << 7), src_s);
-                write_stage = gemv_next_stage(write_stage);
-                src_c += GEMV_WARPS * 64;
-                src_s += GEMV_WARPS * chunk_scales;
-                issued++;
-                tile_left--;
-            }
-            asm volatile("cp.async.commit_group;");
-        };
-#pragma unroll
-        for (int s = 0; s < GEMV_STAGES - 1; s++) issue();
-        const bf16* x_tok[NT];
-        fp4_x_lanes<NT>(x_tok, x, g, n, cols, (warp << 7) + 32 * t);
-        for (int tl = 0; tl < my_tiles; tl++) {
-            const int ra = fp4_tile_row<MODE>((int)blockIdx.y + tl * (int)gridDim.y, g), rb = ra + fp4_b_rows<MODE>();
-            float acc[NT][4] = {};
-            for (int j = 0, xo = 0; j < per_tile; j++, xo += GEMV_WARPS * 128) {
-                uint4 xv[NT][4];
-                fp4_load_x<NT>(xv, x_tok, xo);
-                issue();
-                asm volatile("cp.async.wait_group %0;" ::"n"(GEMV_STAGES - 1));
-                __syncwarp();  // the item is in, the scales copied by other lanes too
-                const u32 read_c = codes_at + (read_stage << 10), read_s = scales_read_at + (read_stage << 7);
-                const uint4 wa = lds128(read_c), wb = lds128(read_c + 512);
-                const u32 sa = NV ? lds_u16(read_s) : lds_u8(read_s), sb = NV ? lds_u16(read_s + 64) : lds_u8(read_s + 64);
-                read_stage = gemv_next_stage(read_stage);
-                __syncwarp();  // every lane has read the stage before the next issue refills it
-                fp4_chunk_mma<NV, NT>(acc, wa, wb, sa, sb, xv);
-            }
-            finish_tile(tl, ra, rb, acc);
-        }
-        asm volatile("cp.async.wait_group 0;");
-        return;
-    }
-
-    // Any shape: the next item to copy: how many were, how many of its tile
-    // are left, its column and where this lane copies from (the codes of row
-    // g, those of g + 8 b_off on; the scales of row g, t = 0, or g + 8, t = 1;
-    // 32-bit offsets: a matrix's codes stay under 4 GB, fp4.rs checks).
-    // A tile wholly inside the matrix (every row there, whole chunks) copies
-    // without the bounds' selects.
-    int issued = 0, tile_left = 0, next_tile = blockIdx.y, next_k = 0;
-    u32 next_a = 0, next_s = 0;
-    bool next_ina = false, next_inb = false, next_ins = false, next_whole = false;
-    const bool copies_scales = scales_staged && t < 2;
-    // Copies the next item into its stage and commits a group (an empty one
+    // The next item to copy: how many were, how many of its tile are left,
+    // where this lane copies from (32-bit offsets: a matrix's codes stay
+    // under 4 GB, fp4.rs checks). Lanes past the scales' bytes copy none: a
+    // predicate, not a branch that splits the warp.
+    const unsigned char* src_c = codes;
+    const unsigned char* src_s = scales;
+    int issued = 0, tile_left = 0, next_tile = blockIdx.y, write_stage = 0, read_stage = 0;
+    const u32 copies_scales = opaque((u32)(lane < ITEM_SCALES / 16));
+    // Copies the next item into its stage (and commits a group, an empty one
     // past the last item, so that the wait below always counts the same).
     auto issue = [&]() {
         if (issued < items) {
             if (tile_left == 0) {
-                const int ra = fp4_tile_row<MODE>(next_tile, g), rb = ra + fp4_b_rows<MODE>();
-                const int rs = t == 0 ? ra : rb;
-                next_ina = ra < rows;
-                next_inb = rb < rows;
-                next_ins = copies_scales && rs < rows;
-                // (The paired modes take rows a multiple of 16: every tile whole.)
-                next_whole = (MODE != FP4_PLAIN || next_tile * 16 + 16 <= rows) && scales_staged;
-                next_a = (u32)ra * (u32)row_bytes + (warp << 6) + 16 * t;
-                next_s = (u32)rs * per_row_scales + warp * chunk_scales;
-                next_k = (warp << 7) + 32 * t;
+                const u32 item = (u32)next_tile * (u32)chunks + warp;
+                src_c = codes + item * 1024u + 16 * lane;
+                src_s = scales + item * ITEM_SCALES + 16 * lane;
                 tile_left = per_tile;
                 next_tile += gridDim.y;
             }
-            const int stage = issued % GEMV_STAGES;
-            const u32 ca = codes_at + (stage << 10), sc = scales_copy_at + (stage << 7);
-            if (next_whole) {
-                cp_async16_shared(ca, codes + next_a, 16);
-                cp_async16_shared(ca + 512, codes + next_a + b_off, 16);
-                if (copies_scales) {
-                    if (NV)
-                        cp_async8_shared(sc, scales + next_s, 8);
-                    else
-                        cp_async4_shared(sc, scales + next_s, 4);
-                }
-            } else {
-                const bool in = next_k < cols, ina = in && next_ina, inb = in && next_inb, ins = in && next_ins;
-                cp_async16_shared(ca, codes + (ina ? next_a : 0), ina ? 16 : 0);
-                cp_async16_shared(ca + 512, codes + (inb ? next_a + b_off : 0), inb ? 16 : 0);
-                if (copies_scales) {
-                    if (NV)
-                        cp_async8_shared(sc, scales + (ins ? next_s : 0), ins ? 8 : 0);
-                    else
-                        cp_async4_shared(sc, scales + (ins ? next_s : 0), ins ? 4 : 0);
-                }
-            }
-            next_a += GEMV_WARPS * 64;
-            next_s += GEMV_WARPS * chunk_scales;
-            next_k += GEMV_WARPS * 128;
+            const u32 at = copy_at + write_stage * GEMV_STAGE_BYTES;
+            cp_async16_shared(at, src_c, 16);
+            cp_async16_shared(at + 512, src_c + 512, 16);
+            cp_async_if<16>(copies_scales, at + 1024, src_s);
+            write_stage = gemv_next_stage(write_stage);
+            src_c += GEMV_WARPS * 1024;
+            src_s += GEMV_WARPS * ITEM_SCALES;
             issued++;
             tile_left--;
         }
@@ -608,63 +448,50 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     };
 #pragma unroll
     for (int s = 0; s < GEMV_STAGES - 1; s++) issue();
+    const int x_col = (warp << 7) + 32 * t;
+    const bf16* x_tok[NT];
+    fp4_x_lanes<NT>(x_tok, x, g, n, cols, x_col);
 
-    // This lane's x: token g (and g + 8), from the warp's first chunk.
-    const bf16* const x_lane = opaque(x + (u64)g * cols + (warp << 7) + 32 * t);
-    bool tok_in[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) tok_in[nt] = nt * 8 + g < n;
-    int item = 0;
-    for (int tl = 0; tl < my_tiles; tl++) {
-        const int ra = fp4_tile_row<MODE>((int)blockIdx.y + tl * (int)gridDim.y, g), rb = ra + fp4_b_rows<MODE>();
-        float acc[NT][4] = {};
-        const bf16* xp = x_lane;
-        int k = (warp << 7) + 32 * t;
-        for (int j = 0; j < per_tile; j++, item++, k += GEMV_WARPS * 128, xp += GEMV_WARPS * 128) {
-            uint4 xv[NT][4];
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                const bool in = tok_in[nt] && k < cols;
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-                    xv[nt][i] = in ? __ldg((const uint4*)(xp + (u64)nt * 8 * cols + 8 * i)) : make_uint4(0, 0, 0, 0);
-            }
-            u32 sa = 0, sb = 0;
-            if (!scales_staged && k < cols) {
-                if (NV) {
-                    if (ra < rows) sa = __ldg((const unsigned short*)(scales + (u64)ra * per_row_scales + (k >> 4)));
-                    if (rb < rows) sb = __ldg((const unsigned short*)(scales + (u64)rb * per_row_scales + (k >> 4)));
+    // The tiles, with x's loads bounded where the last chunk is partial.
+    auto run = [&](auto whole_chunks) {
+        constexpr bool WHOLE = decltype(whole_chunks)::value;
+        for (int tl = 0; tl < my_tiles; tl++) {
+            const int ra = fp4_tile_row<MODE>((int)blockIdx.y + tl * (int)gridDim.y, g), rb = ra + fp4_b_rows<MODE>();
+            float acc[NT][4] = {};
+            for (int j = 0, xo = 0; j < per_tile; j++, xo += GEMV_WARPS * 128) {
+                uint4 xv[NT][4];
+                if (WHOLE || x_col + xo < cols) {
+                    fp4_load_x<NT>(xv, x_tok, xo);
                 } else {
-                    if (ra < rows) sa = __ldg(scales + (u64)ra * per_row_scales + (k >> 5));
-                    if (rb < rows) sb = __ldg(scales + (u64)rb * per_row_scales + (k >> 5));
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                        for (int i = 0; i < 4; i++) xv[nt][i] = make_uint4(0, 0, 0, 0);
                 }
+                issue();
+                const u32 stage = read_stage * GEMV_STAGE_BYTES;
+                asm volatile("cp.async.wait_group %0;" ::"n"(GEMV_STAGES - 1));
+                __syncwarp();  // the item is in, the scales copied by other lanes too
+                const uint4 wa = lds128(codes_a + stage), wb = lds128(codes_b + stage);
+                const u32 sa = NV ? lds_u16(scales_a + stage) : lds_u8(scales_a + stage);
+                const u32 sb = NV ? lds_u16(scales_b + stage) : lds_u8(scales_b + stage);
+                read_stage = gemv_next_stage(read_stage);
+                __syncwarp();  // every lane has read the stage before the next issue refills it
+                fp4_chunk_mma<NV, NT>(acc, wa, wb, sa, sb, xv);
             }
-            issue();
-            asm volatile("cp.async.wait_group %0;" ::"n"(GEMV_STAGES - 1));
-            __syncwarp();  // the item is in, the scales copied by other lanes too
-            const int stage = item % GEMV_STAGES;
-            const u32 ca = codes_at + (stage << 10), sr = scales_read_at + (stage << 7);
-            const uint4 wa = lds128(ca), wb = lds128(ca + 512);
-            if (scales_staged) {
-                if (NV) {
-                    sa = lds_u16(sr);
-                    sb = lds_u16(sr + 64);
-                } else {
-                    sa = lds_u8(sr);
-                    sb = lds_u8(sr + 64);
-                }
-            }
-            __syncwarp();  // every lane has read the stage before the next issue refills it
-            fp4_chunk_mma<NV, NT>(acc, wa, wb, sa, sb, xv);
+            finish_tile(tl, ra, rb, acc);
         }
-        finish_tile(tl, ra, rb, acc);
-    }
+    };
+    if ((cols & 127) == 0)
+        run(fp4_bool<true>{});
+    else
+        run(fp4_bool<false>{});
     asm volatile("cp.async.wait_group 0;");
 }
 
 // cols a multiple of 32; 8 (n8) or 16 (n16) tokens a block (blockIdx.x), a
 // grid of as many blocks as an SM holds at once over the row tiles
-// (blockIdx.y), GEMV_WARPS * GEMV_STAGES * GEMV_PAIR_STAGE_BYTES of dynamic
+// (blockIdx.y), GEMV_WARPS * GEMV_STAGES * GEMV_STAGE_BYTES of dynamic
 // shared memory (fp4.rs).
 #define FP4_ARGS const unsigned char *__restrict__ codes, const unsigned char *__restrict__ scales, \
                  const float *__restrict__ row_scale, const bf16 *__restrict__ x, float *__restrict__ y, int n, \
@@ -755,9 +582,8 @@ extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_nv_residual_n1(FP4_FUSED_ARGS) {
 #define GEMM_XS (18 * 8)
 __device__ __forceinline__ int gemm_unit(int u) { return u ^ ((u >> 3) & 1); }
 
-// One stage: x, then the codes (row r's 64 bytes at 64 r: a quarter-warp's
-// 16-byte loads, rows g and g + 1 at 16 t, are conflict-free), then the
-// scales (8 bytes a row, of which MX uses 4).
+// One stage: x, then the codes (the block's 8 tiles' KB of the chunk as the
+// tiled layout has them), then the scales (the same tiles' scale bytes).
 #define GEMM_X_BYTES (GEMM_TOKENS * GEMM_XS * 2)
 #define GEMM_STAGE_BYTES (GEMM_X_BYTES + 128 * 64 + 128 * 8)
 
@@ -769,15 +595,15 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
     extern __shared__ __align__(16) unsigned char smem[];
     fp4_fill_scale_table<NV>(shift);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    constexpr int SCALE_ROW = fp4_scale_row<NV>();
     const int row0 = blockIdx.y * 128, ra = row0 + warp * 16 + g, rb = ra + 8;
+    const int tile0 = blockIdx.y * 8, tiles = (rows + 15) >> 4;
     const int tok0 = blockIdx.x * GEMM_TOKENS, here = min(GEMM_TOKENS, n - tok0);
     const int chunks = cols >> 7, z = blockIdx.z;
     // This split's chunks: first + step * i for i < count.
     const int first = step == 1 ? z * per_split : z;
     const int count = step == 1 ? max(0, min(chunks, first + per_split) - first) : max(0, (chunks - z + step - 1) / step);
     const bf16* xb = x + (u64)tok0 * cols;
-    const u64 row_bytes = (u64)cols >> 1;
-    const int per_row_scales = cols / (NV ? 16 : 32);
 
     // The block's 256 threads copy chunk c into stage `st`.
     auto load = [&](int st, int c) {
@@ -791,20 +617,19 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
         }
         unsigned char* cs = base + GEMM_X_BYTES;
 #pragma unroll
-        for (int i = threadIdx.x; i < 128 * 4; i += 256) {
-            const int r = i >> 2, row = row0 + r;
-            const bool in = row < rows;
-            cp_async16(cs + r * 64 + (i & 3) * 16, in ? codes + row * row_bytes + (c << 6) + (i & 3) * 16 : codes,
-                       in ? 16 : 0);
+        for (int i = threadIdx.x; i < 8 * 64; i += 256) {  // tile i / 64's 16-byte piece i % 64
+            const int tile = tile0 + (i >> 6);
+            const bool in = tile < tiles;
+            cp_async16(cs + 16 * i, in ? codes + ((u64)tile * chunks + c) * 1024 + 16 * (i & 63) : codes, in ? 16 : 0);
         }
         unsigned char* ss = cs + 128 * 64;
-        if (threadIdx.x < 128) {
-            const int row = row0 + threadIdx.x;
-            const bool in = row < rows;
-            if (NV)
-                cp_async8(ss + threadIdx.x * 8, in ? scales + (u64)row * per_row_scales + (c << 3) : scales, in ? 8 : 0);
-            else
-                cp_async4(ss + threadIdx.x * 8, in ? scales + (u64)row * per_row_scales + (c << 2) : scales, in ? 4 : 0);
+        constexpr int PIECES = SCALE_ROW;  // a tile's scale bytes of a chunk, in 16-byte pieces
+        if (threadIdx.x < 8 * PIECES) {
+            const int tile = tile0 + threadIdx.x / PIECES;
+            const bool in = tile < tiles;
+            cp_async16(ss + 16 * threadIdx.x,
+                       in ? scales + ((u64)tile * chunks + c) * 16 * SCALE_ROW + 16 * (threadIdx.x % PIECES) : scales,
+                       in ? 16 : 0);
         }
     };
 
@@ -828,15 +653,16 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
         const unsigned char* base = smem + (it % GEMM_STAGES) * GEMM_STAGE_BYTES;
         const unsigned char* cs = base + GEMM_X_BYTES;
         const unsigned char* ss = cs + 128 * 64;
-        const int la = warp * 16 + g, lb = la + 8;
-        const uint4 wa = *(const uint4*)(cs + la * 64 + 16 * t), wb = *(const uint4*)(cs + lb * 64 + 16 * t);
+        const unsigned char* ca = cs + warp * 1024 + 64 * fp4_slot(g) + 16 * t;  // rows g + 8 512 on
+        const uint4 wa = *(const uint4*)ca, wb = *(const uint4*)(ca + 512);
+        const unsigned char* sr = ss + warp * 16 * SCALE_ROW + SCALE_ROW * g;  // rows g + 8 8 rows on
         u32 sa, sb;
         if (NV) {
-            sa = *(const unsigned short*)(ss + la * 8 + 2 * t);
-            sb = *(const unsigned short*)(ss + lb * 8 + 2 * t);
+            sa = *(const unsigned short*)(sr + 2 * t);
+            sb = *(const unsigned short*)(sr + 8 * SCALE_ROW + 2 * t);
         } else {
-            sa = ss[la * 8 + t];
-            sb = ss[lb * 8 + t];
+            sa = sr[t];
+            sb = sr[8 * SCALE_ROW + t];
         }
         u32 a[8][4];
         fp4_dequant<NV>(a, wa, wb, sa, sb);
@@ -899,23 +725,26 @@ __device__ __forceinline__ float e8m0_f32(u32 c) {
 
 // The weights as BF16 (for the GEMMs of many tokens): out[r, c] =
 // E2M1 * scale * row_scale[r], with the scales' true values (no 2^126 trick).
-// A thread takes 32 weights (16 bytes of codes, one row's block of 32):
-// one 16-byte load, four 16-byte stores.
+// A thread takes 32 weights (16 bytes of codes in the tiled layout, one
+// row's block of 32): one 16-byte load, four 16-byte stores.
 extern "C" __global__ void fp4_to_bf16(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
                                        const float* __restrict__ row_scale, bf16* __restrict__ out, int rows, int cols,
                                        int nv) {
     wait_for_previous_kernels();
     const u64 groups = (u64)rows * cols / 32;
     for (u64 gi = blockIdx.x * (u64)blockDim.x + threadIdx.x; gi < groups; gi += (u64)gridDim.x * blockDim.x) {
-        const u64 e0 = gi * 32;
-        const float rs = row_scale[e0 / cols];
+        const u64 e0 = gi * 32, r = e0 / cols;
+        const int c0 = (int)(e0 % cols), lane_t = (c0 >> 5) & 3, scale_row = nv ? 8 : 4;
+        const u64 item = (r >> 4) * (u64)((cols + 127) >> 7) + (c0 >> 7);  // the tile's chunk
+        const float rs = row_scale[r];
+        const unsigned char* sc_at = scales + item * 16 * scale_row + (r & 15) * scale_row;
         float s[2];
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const u32 sc = nv ? scales[e0 / 16 + h] : scales[e0 / 32];
+            const u32 sc = nv ? sc_at[2 * lane_t + h] : sc_at[lane_t];
             s[h] = (nv ? e4m3_f32(sc) : e8m0_f32(sc)) * rs;
         }
-        const uint4 w = *(const uint4*)(codes + e0 / 2);
+        const uint4 w = *(const uint4*)(codes + item * 1024 + 64 * fp4_slot((int)(r & 15)) + 16 * lane_t);
         u32 o[16];
 #pragma unroll
         for (int i = 0; i < 16; i++) {

@@ -1,7 +1,8 @@
-//! FP4 weights on the GPU, the Hopper path: [`Fp4Matrix`]es uploaded (codes
-//! reordered within each 8 columns for the kernels, scale bytes as they are,
-//! and one f32 per row for NVFP4's tensor scale, so that matrices quantized
-//! apart run fused), and the weight-only kernels
+//! FP4 weights on the GPU, the Hopper path: [`Fp4Matrix`]es uploaded in
+//! the kernels' tiled layout (codes reordered within each 8 columns and
+//! stored by 16-row x 128-column tiles, scale bytes likewise, and one f32
+//! per row for NVFP4's tensor scale, so that matrices quantized apart run
+//! fused), and the weight-only kernels
 //! of `kernels/fp4.cu`, which dequantize in registers and multiply on the
 //! BF16 tensor cores: a GEMV (up to 16 tokens a block), a tiled GEMM (more),
 //! and a dequantization to BF16 for cuBLAS; with their measurements
@@ -33,10 +34,9 @@ fn gemv_tokens_per_block(n: usize) -> usize {
 /// Warps per block of the kernels (`fp4.cu`'s GEMV_WARPS).
 const FP4_WARPS: u32 = 8;
 
-/// The GEMV's shared memory for its cp.async pipeline (`fp4.cu`:
-/// GEMV_WARPS x GEMV_STAGES x GEMV_PAIR_STAGE_BYTES, the larger stages of the
-/// fused kernels' pairs of chunks; still three blocks an SM).
-const GEMV_SMEM: u32 = FP4_WARPS * 2 * (2048 + 256);
+/// The GEMV's shared memory for its copy pipeline (`fp4.cu`: GEMV_WARPS x
+/// GEMV_STAGES x GEMV_STAGE_BYTES).
+const GEMV_SMEM: u32 = FP4_WARPS * 2 * (1024 + 128);
 
 /// Tokens a GEMM block takes (`fp4.cu`'s GEMM_TOKENS) and rows (a 16-row
 /// tile per warp).
@@ -102,6 +102,63 @@ fn kernel_code_order(file: u32) -> u32 {
     })
 }
 
+/// Rows of a tile and columns of a chunk in the kernels' tiled layout.
+const TILE_ROWS: usize = 16;
+const CHUNK_COLS: usize = 128;
+
+/// Where tile row `r`'s 64 bytes of codes sit in its tile's 1 KB chunk (in
+/// 64-byte slots): rows 2 and 3, 6 and 7, .. swapped, so that both of
+/// `fp4.cu`'s lane-to-row maps (rows g and g + 8; 2g and 2g + 1) read a
+/// quarter-warp's 16-byte loads from 8 distinct bank groups (`fp4_slot`).
+fn tile_slot(r: usize) -> usize {
+    r ^ ((r >> 1) & 1)
+}
+
+/// Row-major codes (in the kernels' order) and scale bytes of a `rows x
+/// cols` matrix with a scale per `block` columns, in the Hopper kernels'
+/// tiled layout (`fp4.cu`, "Tiled layout"): 16-row tile i's 128-column chunk
+/// c is 1 KB of codes at (i x chunks + c) KB, row r's 64 bytes in slot
+/// `tile_slot(r)`, and 16 rows of 128 / block scale bytes at (i x chunks +
+/// c) x 16 x 128 / block; rows padded to 16 and columns to 128 with zeros.
+fn tiled_layout(
+    rows: usize,
+    cols: usize,
+    block: usize,
+    codes: &[u8],
+    scales: &[u8],
+) -> (Vec<u8>, Vec<u8>) {
+    let chunks = cols.div_ceil(CHUNK_COLS);
+    let items = rows.div_ceil(TILE_ROWS) * chunks;
+    let (chunk_codes, row_scales) = (CHUNK_COLS / 2, CHUNK_COLS / block);
+    let (code_row, scale_row) = (cols / 2, cols / block);
+    let mut tiled_codes = vec![0u8; items * TILE_ROWS * chunk_codes];
+    let mut tiled_scales = vec![0u8; items * TILE_ROWS * row_scales];
+    for r in 0..rows {
+        let (tile, in_tile) = (r / TILE_ROWS, r % TILE_ROWS);
+        let codes = &codes[r * code_row..(r + 1) * code_row];
+        let scales = &scales[r * scale_row..(r + 1) * scale_row];
+        for (c, (codes, scales)) in codes
+            .chunks(chunk_codes)
+            .zip(scales.chunks(row_scales))
+            .enumerate()
+        {
+            let item = tile * chunks + c;
+            let at = (item * TILE_ROWS + tile_slot(in_tile)) * chunk_codes;
+            tiled_codes[at..at + codes.len()].copy_from_slice(codes);
+            let at = (item * TILE_ROWS + in_tile) * row_scales;
+            tiled_scales[at..at + scales.len()].copy_from_slice(scales);
+        }
+    }
+    (tiled_codes, tiled_scales)
+}
+
+/// Bytes of codes and of scales a `rows x cols` matrix takes in the tiled
+/// layout.
+fn tiled_bytes(rows: usize, cols: usize, block: usize) -> (usize, usize) {
+    let cells = rows.div_ceil(TILE_ROWS) * TILE_ROWS * cols.div_ceil(CHUNK_COLS) * CHUNK_COLS;
+    (cells / 2, cells / block)
+}
+
 /// One FP4 matrix (or several stacked by rows) on the device.
 #[derive(Debug)]
 pub struct Fp4Weights {
@@ -127,7 +184,8 @@ impl Fp4Weights {
 
     /// `parts` one under the other, as one matrix (Q, K and V as one QKV):
     /// each keeps its own tensor scale. Codes go up in the kernels' order
-    /// (`kernel_code_order`).
+    /// (`kernel_code_order`), codes and scales in the tiled layout
+    /// (`tiled_layout`), or both as in the file for the Blackwell path.
     pub fn stack(gpu: &Gpu, parts: &[&Fp4Matrix]) -> Result<Fp4Weights, GpuError> {
         let first = parts
             .first()
@@ -172,6 +230,11 @@ impl Fp4Weights {
             Fp4Format::Mxfp4 => largest.map_or(0, |e| (i32::from(e) - 128).max(0)),
             Fp4Format::Nvfp4 => 0,
         };
+        let (codes, scales) = if file_order {
+            (codes, scales)
+        } else {
+            tiled_layout(rows, cols, format.block(), &codes, &scales)
+        };
         Ok(Fp4Weights {
             rows,
             cols,
@@ -215,9 +278,14 @@ impl Fp4Weights {
             // Block scales of 1.0 (E4M3 0x38), the rest in the tensor scale.
             Fp4Format::Nvfp4 => (0x38u8, target),
         };
-        let codes = gpu.alloc::<u8>(rows * cols / 2)?;
-        let words = (rows * cols / 8) as u64;
-        // SAFETY: `codes` holds rows * cols / 2 bytes, `words` u32s.
+        let (code_bytes, scale_bytes) = if file_order {
+            (rows * cols / 2, rows * cols / format.block())
+        } else {
+            tiled_bytes(rows, cols, format.block())
+        };
+        let codes = gpu.alloc::<u8>(code_bytes)?;
+        let words = (code_bytes / 4) as u64;
+        // SAFETY: `codes` holds code_bytes bytes, `words` u32s.
         gpu.launch(
             "fill_random_u32",
             elementwise(words as usize),
@@ -228,7 +296,7 @@ impl Fp4Weights {
             cols,
             format,
             codes,
-            scales: gpu.upload(&vec![scale_code; rows * cols / format.block()])?,
+            scales: gpu.upload(&vec![scale_code; scale_bytes])?,
             row_scale: gpu.upload(&vec![tensor_scale; rows])?,
             shift: 0,
             // Random codes: any order is the same distribution.
@@ -332,7 +400,7 @@ impl Fp4Weights {
         };
         let token_blocks = n.div_ceil(gemv_tokens_per_block(n)) as u32;
         // The kernel addresses a matrix's codes with 32-bit offsets.
-        if self.rows * self.cols / 2 > u32::MAX as usize {
+        if self.codes.len() > u32::MAX as usize {
             return Err(GpuError::Other(format!(
                 "an FP4 matrix of {} x {} (the GEMV takes at most 4 GiB of codes)",
                 self.rows, self.cols
@@ -361,9 +429,10 @@ impl Fp4Weights {
             &accumulate,
         ];
         args.extend_from_slice(extra);
-        // SAFETY: the kernel reads 16-byte groups of codes within each row
-        // (cols a multiple of 32), the scales of those columns, a scale per
-        // row, x's rows j < n and writes y's rows j < n; `extra` is what the
+        // SAFETY: the kernel reads the tiled codes and scales of every
+        // (padded) tile and chunk, which `stack` and `synthetic` allocate, a
+        // scale per row, x's columns < cols of rows j < n, and writes y's
+        // rows j < n, columns < rows; `extra` is what the
         // fused kernels' callers vouch for (layers.rs).
         gpu.launch(
             &name,
@@ -734,6 +803,61 @@ mod tests {
                 let want = bf16(2 * p as u32) | bf16(2 * p as u32 + 1) << 16;
                 assert_eq!(pair_bits(w, p), want, "{file:#010x} pair {p}");
             }
+        }
+    }
+
+    /// Every code and scale byte lands where `fp4.cu` reads it (tile i's
+    /// chunk c at (i x chunks + c) KB, row r in slot r ^ (r >> 1 & 1), the
+    /// scales 16 rows together), and the padding is zero, on shapes with a
+    /// partial tile and a partial chunk.
+    #[test]
+    fn the_tiled_layout_puts_each_byte_where_the_kernels_read_it() {
+        assert_eq!(
+            (0..16).map(tile_slot).collect::<Vec<_>>(),
+            [0, 1, 3, 2, 4, 5, 7, 6, 8, 9, 11, 10, 12, 13, 15, 14]
+        );
+        for (rows, cols, block) in [(20, 160, 32), (20, 160, 16), (32, 256, 32), (16, 96, 16)] {
+            let (code_row, scale_row) = (cols / 2, cols / block);
+            // Each byte its own tag: row and column (of byte or scale).
+            let codes: Vec<u8> = (0..rows * code_row).map(|i| (i % 251 + 1) as u8).collect();
+            let scales: Vec<u8> = (0..rows * scale_row).map(|i| (i % 241 + 1) as u8).collect();
+            let (tiled_codes, tiled_scales) = tiled_layout(rows, cols, block, &codes, &scales);
+            assert_eq!(
+                (tiled_codes.len(), tiled_scales.len()),
+                tiled_bytes(rows, cols, block)
+            );
+            let chunks = cols.div_ceil(128);
+            let (mut seen_codes, mut seen_scales) = (0, 0);
+            for r in 0..rows {
+                let item = |b: usize| (r / 16) * chunks + b;
+                for byte in 0..code_row {
+                    let at = item(byte / 64) * 1024 + 64 * tile_slot(r % 16) + byte % 64;
+                    assert_eq!(
+                        tiled_codes[at],
+                        codes[r * code_row + byte],
+                        "{rows}x{cols}: code byte {r},{byte}"
+                    );
+                    seen_codes += 1;
+                }
+                let per_chunk = 128 / block;
+                for sc in 0..scale_row {
+                    let at = item(sc / per_chunk) * 16 * per_chunk
+                        + (r % 16) * per_chunk
+                        + sc % per_chunk;
+                    assert_eq!(
+                        tiled_scales[at],
+                        scales[r * scale_row + sc],
+                        "{rows}x{cols}: scale {r},{sc}"
+                    );
+                    seen_scales += 1;
+                }
+            }
+            // Everything else is padding, and zero.
+            assert_eq!(tiled_codes.iter().filter(|&&b| b != 0).count(), seen_codes);
+            assert_eq!(
+                tiled_scales.iter().filter(|&&b| b != 0).count(),
+                seen_scales
+            );
         }
     }
 

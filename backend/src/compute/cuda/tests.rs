@@ -509,12 +509,11 @@ fn fused_fp4_one_token_gemvs_equal_the_separate_kernels() {
     use super::fp4::Fp4Weights;
     use crate::compute::fp4::{Fp4Format, Fp4Matrix};
     let Some(gpu) = gpu() else { return };
-    // 512 columns: whole 128-column chunks, scales staged; 576 (SmolLM2's):
-    // not. FFN 3,200: 400 tiles of gate/up, more than the grid's blocks on
-    // an H200, so blocks walk several. Hidden 2,048 with FFN 8,192 and 128
-    // heads (64 for KV): QKV (16,384 x 2,048) and gate/up (the same) are
-    // large enough for the fused kernels' pairs of chunks (fp4.cu,
-    // FP4_PAIRS_MIN_WEIGHTS), summed in another order than the plain GEMV's.
+    // 512 columns: whole 128-column chunks; 576 (SmolLM2's): a partial last
+    // chunk (x's loads bounded). FFN 3,200: 400 tiles of gate/up, more than
+    // the grid's blocks on an H200, so blocks walk several. Hidden 2,048
+    // with FFN 8,192 and 128 heads (64 for KV): QKV and gate/up of 16,384 x
+    // 2,048, several chunks a warp.
     for (hidden, ffn, heads, kv_heads) in
         [(512, 320, 6, 2), (576, 3200, 6, 2), (2048, 8192, 128, 64)]
     {
@@ -879,10 +878,11 @@ fn fp4_gemv_matches_the_cpu_reference() {
     // More 16-row tiles than the GEMV's grid has blocks (each block walks
     // several, its cp.async pipeline running on from one tile to the next),
     // with warps that have no chunk (256 columns: two), one that has two
-    // while the rest have one (1,152), and scales not staged (1,088 columns
-    // are not whole chunks); these run the GEMV's token counts only. Rows a
-    // multiple of 16 and whole chunks take the GEMV's lean loop, the rest its
-    // general one.
+    // while the rest have one (1,152), and a partial last chunk (1,088
+    // columns); these run the GEMV's token counts only. The
+    // tiled layout pads rows to 16 and columns to 128 (24 x 96, 8 x 608, 40
+    // rows, 1,088 columns); x's loads are bounded only where the last chunk
+    // is partial.
     let tall = 16 * 4 * gpu.sm_count as usize + 40;
     let whole_tall = tall - 40;
     for (rows, cols) in [
