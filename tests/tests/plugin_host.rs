@@ -95,7 +95,10 @@ fn session_affinity_holds_across_instances_running_side_by_side() {
                     together.wait();
                     let mut r = request(40);
                     r.session_hash = 1 + round % 25;
-                    let f = fleet(8, t * 10_000 + round);
+                    // 256 workers: a call of a few us, so that calls released
+                    // together overlap (with 8, about 0.5 us, a busy 2-core
+                    // run went all 5,000 rounds on one instance).
+                    let f = fleet(256, t * 10_000 + round);
                     picks.push((r.session_hash, router.route(&r, &f)));
                     if together.wait().is_leader()
                         && slot.with_current(|g| g.idle_instances()).unwrap_or(0) >= 2
@@ -247,6 +250,13 @@ fn contained(mode: &str, class: ErrorClass) {
 #[test]
 fn an_infinite_loop_is_stopped_by_the_deadline() {
     contained("loop", ErrorClass::Timeout);
+}
+
+/// Host imports charge the call's fuel too: a loop over them runs out as a
+/// loop over Wasm instructions does.
+#[test]
+fn an_infinite_loop_of_host_calls_is_stopped_by_the_deadline() {
+    contained("hostloop", ErrorClass::Timeout);
 }
 
 #[test]

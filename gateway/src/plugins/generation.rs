@@ -1,7 +1,7 @@
 //! One loaded version of a plugin: its compiled component, pre-instantiated, with
 //! a pool of ready instances (one `Store` each). A call takes an instance from the
-//! pool, arms its deadline, runs, and puts it back; an instance whose call
-//! trapped, timed out or answered something invalid is dropped instead. A
+//! pool, gives it its fuel, runs, and puts it back; an instance whose call
+//! trapped, ran out of fuel or answered something invalid is dropped instead. A
 //! version that keeps failing is benched for a while (a circuit breaker), so a
 //! broken plugin cannot make every request pay for a fresh instance.
 
@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use wasmtime::Store;
 use wasmtime::component::{ComponentExportIndex, Func, InstancePre};
-use wasmtime::{Store, UpdateDeadline};
 
 use super::host_state::{DeniedImport, HostState, PluginIdentity, SlotShared};
 use super::kind::PluginKind;
@@ -44,13 +44,11 @@ pub struct Pooled<K> {
 }
 
 impl<K> Pooled<K> {
-    /// Prepares the instance for one call: a fresh deadline, from the next epoch
-    /// tick on, and a clear memory-limit flag.
-    pub(super) fn arm(&mut self, cpu_budget: Duration, started: Instant) {
-        let data = self.store.data_mut();
-        data.limiter.hit = false;
-        data.deadline.reset(cpu_budget, started);
-        self.store.set_epoch_deadline(1);
+    /// Prepares the instance for one call: `fuel` to burn and a clear
+    /// memory-limit flag.
+    pub(super) fn arm(&mut self, fuel: u64) -> wasmtime::Result<()> {
+        self.store.data_mut().limiter.hit = false;
+        self.store.set_fuel(fuel)
     }
 }
 
@@ -125,23 +123,11 @@ impl<K: PluginKind> Generation<K> {
             self.identity.clone(),
             self.slot.clone(),
             rt.config.max_memory_bytes,
-            rt.config.max_call_wall,
             rt.started,
         );
         let mut store = Store::new(&rt.engine, state);
         store.limiter(|s| &mut s.limiter);
-        store.epoch_deadline_callback(|mut cx| {
-            Ok(if cx.data_mut().deadline.tick() {
-                UpdateDeadline::Continue(1)
-            } else {
-                UpdateDeadline::Interrupt
-            })
-        });
-        store
-            .data_mut()
-            .deadline
-            .reset(rt.config.init_cpu_budget, Instant::now());
-        store.set_epoch_deadline(1);
+        store.set_fuel(rt.config.init_fuel)?;
         let instance = self.instance_pre.instantiate(&mut store)?;
         let mut funcs = Vec::with_capacity(self.exports.len());
         for (name, index) in K::FUNCTIONS.iter().zip(&self.exports) {
@@ -198,7 +184,7 @@ impl<K: PluginKind> Generation<K> {
         self.idle.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
-    /// Runs `call` on a pooled instance under the call deadline. On failure the
+    /// Runs `call` on a pooled instance with the call's fuel. On failure the
     /// instance is dropped, the failure is counted and logged, and its class is
     /// returned so that the caller answers with the built-in policy.
     pub(super) fn call<R>(
@@ -226,8 +212,10 @@ impl<K: PluginKind> Generation<K> {
                 }
             },
         };
-        pooled.arm(self.runtime.config.call_cpu_budget, started);
-        let result = call(&mut pooled);
+        let result = match pooled.arm(self.runtime.config.call_fuel) {
+            Ok(()) => call(&mut pooled),
+            Err(e) => Err(CallFailure::Wasm(e)),
+        };
         let elapsed_ns = started.elapsed().as_nanos() as f64;
         stats.call_ns.record(elapsed_ns);
         self.stats.call_ns.record(elapsed_ns);
@@ -262,7 +250,7 @@ impl<K: PluginKind> Generation<K> {
             CallFailure::Invalid(why) => (ErrorClass::Invalid, why.clone()),
             CallFailure::Wasm(e) => {
                 let class = match e.downcast_ref::<wasmtime::Trap>() {
-                    Some(wasmtime::Trap::Interrupt) => ErrorClass::Timeout,
+                    Some(wasmtime::Trap::OutOfFuel) => ErrorClass::Timeout,
                     // A refused memory grow, then whatever failure followed.
                     _ if memory_hit => ErrorClass::Memory,
                     Some(_) => ErrorClass::Trap,

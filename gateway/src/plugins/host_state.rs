@@ -3,7 +3,7 @@
 //! entries).
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use wasmtime::ResourceLimiter;
 
@@ -131,52 +131,10 @@ impl ResourceLimiter for MemoryLimiter {
     }
 }
 
-/// The deadline of the call in progress, checked at every epoch tick.
-#[derive(Debug)]
-pub struct CallDeadline {
-    /// CPU time the call may use after the first tick that finds it running.
-    cpu_budget_ns: u64,
-    /// Wall time after which the call stops regardless.
-    max_wall: Duration,
-    /// When the call started.
-    started: Instant,
-    /// Thread CPU time at the first tick of this call.
-    first_tick_cpu_ns: Option<u64>,
-}
-
-impl CallDeadline {
-    /// Starts a new call with `budget` of CPU time.
-    pub fn reset(&mut self, budget: Duration, started: Instant) {
-        self.cpu_budget_ns = budget.as_nanos() as u64;
-        self.started = started;
-        self.first_tick_cpu_ns = None;
-    }
-
-    /// Called at each epoch tick during a call: keep running?
-    pub fn tick(&mut self) -> bool {
-        let now = thread_cpu_ns().unwrap_or_else(|| self.started.elapsed().as_nanos() as u64);
-        let first = *self.first_tick_cpu_ns.get_or_insert(now);
-        now.saturating_sub(first) < self.cpu_budget_ns && self.started.elapsed() < self.max_wall
-    }
-}
-
-/// CPU time used by the calling thread, in nanoseconds (`None` if the system
-/// has no thread CPU clock; the deadline then counts wall time).
-fn thread_cpu_ns() -> Option<u64> {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec for the duration of the call.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    (rc == 0).then(|| ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
-}
-
 /// The data of one plugin `Store`.
 #[derive(Debug)]
 pub struct HostState {
     pub limiter: MemoryLimiter,
-    pub deadline: CallDeadline,
     pub identity: Arc<PluginIdentity>,
     pub slot: Arc<SlotShared>,
     pub started: Instant,
@@ -195,19 +153,12 @@ impl HostState {
         identity: Arc<PluginIdentity>,
         slot: Arc<SlotShared>,
         max_memory_bytes: usize,
-        max_call_wall: Duration,
         started: Instant,
     ) -> Self {
         Self {
             limiter: MemoryLimiter {
                 max_bytes: max_memory_bytes,
                 hit: false,
-            },
-            deadline: CallDeadline {
-                cpu_budget_ns: 0,
-                max_wall: max_call_wall,
-                started,
-                first_tick_cpu_ns: None,
             },
             identity,
             slot,

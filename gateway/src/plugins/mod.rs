@@ -1,5 +1,5 @@
 //! The wasmtime host for policy plugins: nothing else in the gateway imports
-//! wasmtime. One [`Runtime`] (engine, epoch ticker, host imports) serves every
+//! wasmtime. One [`Runtime`] (engine with fuel metering, host imports) serves every
 //! [`Slot`]; a slot holds the active version of one plugin kind and swaps in new
 //! ones without dropping a call. [`WasmRouter`], [`WasmAdmission`] and
 //! [`WasmCachePolicy`] put slots behind the plain traits of `crate::policy`.

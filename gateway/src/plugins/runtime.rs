@@ -1,9 +1,8 @@
-//! The one wasmtime `Engine` of the gateway, its epoch ticker, and the base
-//! `Linker` that gives every plugin the `sluice:policy/host` imports.
+//! The one wasmtime `Engine` of the gateway (fuel bounds each call's work),
+//! and the base `Linker` that gives every plugin the `sluice:policy/host`
+//! imports, each of which charges the call's fuel for the host's work.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use wasmtime::component::{Linker, WasmStr};
@@ -18,16 +17,17 @@ use super::stats::truncate;
 /// Limits and sizes of the plugin host.
 #[derive(Clone, Debug)]
 pub struct HostConfig {
-    /// How often the epoch advances: how often a running call is checked.
-    pub epoch_tick: Duration,
-    /// CPU time one call may use, counted from the first epoch tick that finds
-    /// it running (so a call gets at most one tick more). CPU time, not wall
-    /// time: a call the OS preempts is not charged for waiting.
-    pub call_cpu_budget: Duration,
-    /// CPU time `init` and the load-time smoke call may use.
-    pub init_cpu_budget: Duration,
-    /// Wall time after which any call is stopped, CPU used or not.
-    pub max_call_wall: Duration,
+    /// Fuel one call may burn: wasmtime's count, about one unit a Wasm
+    /// instruction, plus HOST_CALL_FUEL and a unit a byte of every string
+    /// for each host import it calls. A tight loop runs out in under a
+    /// millisecond; a real policy's call takes thousands. Work, not time: a
+    /// call the OS preempts is not charged for waiting, and no thread wakes
+    /// up to watch it. (An epoch deadline on thread CPU time needed a ticker
+    /// thread waking 100 times a second, ~30 us of CPU each on this VM,
+    /// ~13 us a request at 200 a second; BENCHMARKS.md.)
+    pub call_fuel: u64,
+    /// Fuel `init` and the load-time smoke call may burn.
+    pub init_fuel: u64,
     /// Linear memory one plugin instance may grow to, in bytes.
     pub max_memory_bytes: usize,
     /// Idle instances kept per plugin version, ready for calls.
@@ -50,10 +50,8 @@ pub struct HostConfig {
 impl Default for HostConfig {
     fn default() -> Self {
         Self {
-            epoch_tick: Duration::from_millis(10),
-            call_cpu_budget: Duration::from_millis(1),
-            init_cpu_budget: Duration::from_millis(100),
-            max_call_wall: Duration::from_secs(1),
+            call_fuel: 10_000_000,
+            init_fuel: 1_000_000_000,
             max_memory_bytes: 32 << 20,
             max_idle_instances: 64,
             max_instances: 128,
@@ -67,15 +65,13 @@ impl Default for HostConfig {
     }
 }
 
-/// The engine, the linker and the epoch ticker, shared by every plugin slot.
+/// The engine and the linker, shared by every plugin slot.
 pub struct Runtime {
     pub(super) engine: Engine,
     pub(super) linker: Linker<HostState>,
     pub(super) config: HostConfig,
     /// Origin of the guests' monotonic clock.
     pub(super) started: Instant,
-    stop_ticker: Arc<AtomicBool>,
-    ticker: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -100,46 +96,38 @@ impl Runtime {
             .total_tables(config.max_instances * 2)
             .max_memory_size(config.max_memory_bytes);
         let mut wasm = Config::new();
-        wasm.epoch_interruption(true)
+        wasm.consume_fuel(true)
             .cranelift_opt_level(OptLevel::Speed)
             .max_wasm_stack(512 << 10)
             .allocation_strategy(InstanceAllocationStrategy::Pooling(pooling));
         let engine = Engine::new(&wasm)?;
         let mut linker = Linker::new(&engine);
         link_host_imports(&mut linker)?;
-
-        let stop_ticker = Arc::new(AtomicBool::new(false));
-        let ticker = {
-            let engine = engine.clone();
-            let stop = stop_ticker.clone();
-            let tick = config.epoch_tick;
-            std::thread::Builder::new()
-                .name("sluice-plugin-epoch".into())
-                .spawn(move || {
-                    while !stop.load(Ordering::Relaxed) {
-                        std::thread::sleep(tick);
-                        engine.increment_epoch();
-                    }
-                })?
-        };
         Ok(Runtime {
             engine,
             linker,
             config,
             started: Instant::now(),
-            stop_ticker,
-            ticker: Some(ticker),
         })
     }
 }
 
-impl Drop for Runtime {
-    fn drop(&mut self) {
-        self.stop_ticker.store(true, Ordering::Relaxed);
-        if let Some(t) = self.ticker.take() {
-            let _ = t.join();
-        }
+/// Fuel a host import costs the call besides a unit a byte of its strings:
+/// about what the host spends on one (a few hundred ns) in Wasm
+/// instructions, so that a loop over imports runs out as a loop over
+/// instructions does.
+pub const HOST_CALL_FUEL: u64 = 2_000;
+
+/// Takes `HOST_CALL_FUEL + bytes` from the call's fuel, or stops the call
+/// (out of fuel, as the Wasm itself would be).
+fn charge(cx: &mut StoreContextMut<'_, HostState>, bytes: usize) -> wasmtime::Result<()> {
+    let cost = HOST_CALL_FUEL.saturating_add(bytes as u64);
+    let left = cx.get_fuel()?;
+    if left < cost {
+        cx.set_fuel(0)?;
+        return Err(wasmtime::Trap::OutOfFuel.into());
     }
+    cx.set_fuel(left - cost)
 }
 
 /// The types-only interface every plugin imports for its records.
@@ -152,7 +140,8 @@ fn link_host_imports(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
     let mut host = linker.instance(HOST_INTERFACE)?;
     host.func_wrap(
         "log",
-        |cx: StoreContextMut<'_, HostState>, (level, message): (Level, WasmStr)| {
+        |mut cx: StoreContextMut<'_, HostState>, (level, message): (Level, WasmStr)| {
+            charge(&mut cx, 0)?;
             let data = cx.data();
             if !data.slot.allow_log_line() {
                 data.slot.stats.logs_dropped.fetch_add(1, Ordering::Relaxed);
@@ -160,6 +149,8 @@ fn link_host_imports(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
             }
             let max = data.slot.max_log_line_bytes;
             let id = data.identity.clone();
+            let len = message.to_str(&cx)?.len();
+            charge(&mut cx, len)?;
             let text = message.to_str(&cx)?;
             let line = truncate(&text, max);
             let (name, version) = (&id.name, id.version);
@@ -174,37 +165,54 @@ fn link_host_imports(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
     )?;
     host.func_wrap(
         "counter-add",
-        |cx: StoreContextMut<'_, HostState>, (name, delta): (WasmStr, u64)| {
-            let metrics = cx.data().slot.metrics.clone();
-            metrics.counter_add(&name.to_str(&cx)?, delta);
+        |mut cx: StoreContextMut<'_, HostState>, (name, delta): (WasmStr, u64)| {
+            let len = name.to_str(&cx)?.len();
+            charge(&mut cx, len)?;
+            cx.data()
+                .slot
+                .metrics
+                .counter_add(&name.to_str(&cx)?, delta);
             Ok(())
         },
     )?;
     host.func_wrap(
         "histogram-record",
-        |cx: StoreContextMut<'_, HostState>, (name, value): (WasmStr, f64)| {
-            let metrics = cx.data().slot.metrics.clone();
-            metrics.histogram_record(&name.to_str(&cx)?, value);
+        |mut cx: StoreContextMut<'_, HostState>, (name, value): (WasmStr, f64)| {
+            let len = name.to_str(&cx)?.len();
+            charge(&mut cx, len)?;
+            cx.data()
+                .slot
+                .metrics
+                .histogram_record(&name.to_str(&cx)?, value);
             Ok(())
         },
     )?;
-    host.func_wrap("now-ns", |cx: StoreContextMut<'_, HostState>, (): ()| {
-        Ok((cx.data().started.elapsed().as_nanos() as u64,))
-    })?;
+    host.func_wrap(
+        "now-ns",
+        |mut cx: StoreContextMut<'_, HostState>, (): ()| {
+            charge(&mut cx, 0)?;
+            Ok((cx.data().started.elapsed().as_nanos() as u64,))
+        },
+    )?;
     host.func_wrap(
         "shared-get",
-        |cx: StoreContextMut<'_, HostState>, (key,): (u64,)| Ok((cx.data().shared().get(key),)),
+        |mut cx: StoreContextMut<'_, HostState>, (key,): (u64,)| {
+            charge(&mut cx, 0)?;
+            Ok((cx.data().shared().get(key),))
+        },
     )?;
     host.func_wrap(
         "shared-set",
-        |cx: StoreContextMut<'_, HostState>, (key, value, ttl_ms): (u64, u64, u32)| {
+        |mut cx: StoreContextMut<'_, HostState>, (key, value, ttl_ms): (u64, u64, u32)| {
+            charge(&mut cx, 0)?;
             Ok((cx.data().shared().set(key, value, ttl_ms),))
         },
     )?;
     host.func_wrap(
         "shared-compare-and-swap",
-        |cx: StoreContextMut<'_, HostState>,
+        |mut cx: StoreContextMut<'_, HostState>,
          (key, expected, new, ttl_ms): (u64, Option<u64>, u64, u32)| {
+            charge(&mut cx, 0)?;
             Ok((cx
                 .data()
                 .shared()
@@ -213,7 +221,8 @@ fn link_host_imports(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
     )?;
     host.func_wrap(
         "shared-remove",
-        |cx: StoreContextMut<'_, HostState>, (key,): (u64,)| {
+        |mut cx: StoreContextMut<'_, HostState>, (key,): (u64,)| {
+            charge(&mut cx, 0)?;
             cx.data().shared().remove(key);
             Ok(())
         },

@@ -302,7 +302,9 @@ impl<K: PluginKind> Slot<K> {
             reason: failure_text(f),
         };
         let mut probe = generation.instantiate().map_err(init_error)?;
-        probe.arm(self.runtime.config.init_cpu_budget, Instant::now());
+        probe
+            .arm(self.runtime.config.init_fuel)
+            .map_err(|e| init_error(CallFailure::Wasm(e)))?;
         // The made-up request must not leave shared entries for real ones.
         probe.store.data_mut().scratch = Some(Box::new(SharedStore::new(1024)));
         K::smoke(&mut probe).map_err(|f| LoadError::Smoke {

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 pub enum ErrorClass {
     /// The guest trapped (a panic, `unreachable`, a trapping WASI import, ...).
     Trap,
-    /// The call ran past its epoch deadline.
+    /// The call ran out of fuel (`HostConfig::call_fuel`).
     Timeout,
     /// The guest asked for more memory than the limit allows, then trapped.
     Memory,

@@ -32,8 +32,9 @@ pub trait Router: Default + 'static {
     /// Runs for every hop of every request that needs a worker. Answer
     /// `Worker(i)` with `i < fleet.len()` (a healthy worker that can serve the
     /// hop), `UseDefault` to let the host's KV-aware policy pick, or `Reject`.
-    /// An index out of range, a trap or running past the deadline (1 ms) makes
-    /// the host use its default policy for this request and count the error.
+    /// An index out of range, a trap or running out of fuel (10 million units,
+    /// about a Wasm instruction each) makes the host use its default policy
+    /// for this request and count the error.
     fn route(&mut self, request: &RequestView, fleet: &FleetView) -> RouteDecision;
 }
 
