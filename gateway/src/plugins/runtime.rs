@@ -130,6 +130,12 @@ fn charge(cx: &mut StoreContextMut<'_, HostState>, bytes: usize) -> wasmtime::Re
     cx.set_fuel(left - cost)
 }
 
+/// `charge` for a host import with string `s` (checked as UTF-8 first).
+fn charge_str(cx: &mut StoreContextMut<'_, HostState>, s: &WasmStr) -> wasmtime::Result<()> {
+    let len = s.to_str(&*cx)?.len();
+    charge(cx, len)
+}
+
 /// The types-only interface every plugin imports for its records.
 pub const TYPES_INTERFACE: &str = "sluice:policy/types@0.1.1";
 
@@ -141,7 +147,7 @@ fn link_host_imports(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
     host.func_wrap(
         "log",
         |mut cx: StoreContextMut<'_, HostState>, (level, message): (Level, WasmStr)| {
-            charge(&mut cx, 0)?;
+            charge_str(&mut cx, &message)?;
             let data = cx.data();
             if !data.slot.allow_log_line() {
                 data.slot.stats.logs_dropped.fetch_add(1, Ordering::Relaxed);
@@ -149,8 +155,6 @@ fn link_host_imports(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
             }
             let max = data.slot.max_log_line_bytes;
             let id = data.identity.clone();
-            let len = message.to_str(&cx)?.len();
-            charge(&mut cx, len)?;
             let text = message.to_str(&cx)?;
             let line = truncate(&text, max);
             let (name, version) = (&id.name, id.version);
@@ -166,24 +170,18 @@ fn link_host_imports(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
     host.func_wrap(
         "counter-add",
         |mut cx: StoreContextMut<'_, HostState>, (name, delta): (WasmStr, u64)| {
-            let len = name.to_str(&cx)?.len();
-            charge(&mut cx, len)?;
-            cx.data()
-                .slot
-                .metrics
-                .counter_add(&name.to_str(&cx)?, delta);
+            charge_str(&mut cx, &name)?;
+            let metrics = &cx.data().slot.metrics;
+            metrics.counter_add(&name.to_str(&cx)?, delta);
             Ok(())
         },
     )?;
     host.func_wrap(
         "histogram-record",
         |mut cx: StoreContextMut<'_, HostState>, (name, value): (WasmStr, f64)| {
-            let len = name.to_str(&cx)?.len();
-            charge(&mut cx, len)?;
-            cx.data()
-                .slot
-                .metrics
-                .histogram_record(&name.to_str(&cx)?, value);
+            charge_str(&mut cx, &name)?;
+            let metrics = &cx.data().slot.metrics;
+            metrics.histogram_record(&name.to_str(&cx)?, value);
             Ok(())
         },
     )?;
