@@ -567,8 +567,9 @@ extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_nv_residual_n1(FP4_FUSED_ARGS) {
 // token's sums are the GEMV's to the bit: the same chunks in the same order
 // per split as per GEMV warp, the splits added in the same order. With more
 // than one split the partial sums go to `part` ([split][token][row]) and
-// fp4_splitk_sum adds them in split order. cols a multiple of 128 (whole
-// chunks; the scales' rows then stay 4- and 8-byte aligned).
+// fp4_splitk_sum adds them in split order. cols a multiple of 32: a partial
+// last chunk reads x's columns past cols as zeros (and the tiled layout's
+// padding, zero codes), so its sums are the GEMV's too.
 
 #define GEMM_TOKENS 64
 #define GEMM_STAGES 4
@@ -599,7 +600,7 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
     const int row0 = blockIdx.y * 128, ra = row0 + warp * 16 + g, rb = ra + 8;
     const int tile0 = blockIdx.y * 8, tiles = (rows + 15) >> 4;
     const int tok0 = blockIdx.x * GEMM_TOKENS, here = min(GEMM_TOKENS, n - tok0);
-    const int chunks = cols >> 7, z = blockIdx.z;
+    const int chunks = (cols + 127) >> 7, z = blockIdx.z;
     // This split's chunks: first + step * i for i < count.
     const int first = step == 1 ? z * per_split : z;
     const int count = step == 1 ? max(0, min(chunks, first + per_split) - first) : max(0, (chunks - z + step - 1) / step);
@@ -612,7 +613,7 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
 #pragma unroll
         for (int i = threadIdx.x; i < GEMM_TOKENS * 16; i += 256) {
             const int tok = i >> 4, col = (c << 7) + (i & 15) * 8;
-            const bool in = tok < here;
+            const bool in = tok < here && col < cols;
             cp_async16(xs + tok * GEMM_XS + gemm_unit(i & 15) * 8, in ? xb + (u64)tok * cols + col : xb, in ? 16 : 0);
         }
         unsigned char* cs = base + GEMM_X_BYTES;

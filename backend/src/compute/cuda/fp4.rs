@@ -443,9 +443,6 @@ impl Fp4Weights {
 
     /// f32s of partial sums [`Fp4Weights::gemm`] needs for `n` tokens.
     pub fn gemm_scratch(&self, n: usize, sm_count: u32, order: SumOrder) -> usize {
-        if !self.cols.is_multiple_of(128) {
-            return 0;
-        }
         // The GEMV's order runs GEMM_TOKENS tokens a launch (`gemm`).
         let n = match order {
             SumOrder::AsGemv => n.min(GEMM_TOKENS),
@@ -460,8 +457,8 @@ impl Fp4Weights {
     /// As [`Fp4Weights::gemv`], through the tiled GEMM (for more than 16
     /// tokens: x staged in shared memory once per 128 rows); `part` holds
     /// `gemm_scratch(n, order)` f32s. In `SumOrder::AsGemv` each token's
-    /// results equal the GEMV's to the bit. The GEMM takes whole 128-column
-    /// chunks; other matrices go to the GEMV.
+    /// results equal the GEMV's to the bit (a partial last chunk included:
+    /// both read zeros past `cols`).
     #[allow(clippy::too_many_arguments)]
     pub fn gemm(
         &self,
@@ -476,9 +473,6 @@ impl Fp4Weights {
         self.in_hopper_order()?;
         if n == 0 {
             return Ok(());
-        }
-        if !self.cols.is_multiple_of(128) {
-            return self.gemv(gpu, x, y, n, accumulate);
         }
         if order == SumOrder::AsGemv && n > GEMM_TOKENS {
             // GEMM_TOKENS tokens a launch, so that the partial sums (8 splits
@@ -867,16 +861,18 @@ mod tests {
     /// gives split w exactly GEMV warp w's chunks, ascending.
     #[test]
     fn gemm_splits_cover_every_chunk_once() {
-        let shapes = [
+        let shapes: [(usize, usize); 8] = [
             (6144, 4096),
             (4096, 4096),
             (28672, 4096),
             (4096, 14336),
             (40, 640),
             (16, 128),
+            (576, 576),
+            (24, 96),
         ];
         for (rows, cols) in shapes {
-            let chunks = cols / 128;
+            let chunks = cols.div_ceil(128);
             for n in [1, 17, 40, 64, 100] {
                 for order in [SumOrder::Fastest, SumOrder::AsGemv] {
                     let (splits, per_split, step) = gemm_splits(rows, cols, n, 132, order);

@@ -868,8 +868,9 @@ fn check_attention(
 /// magnitudes (different scales), two matrices stacked (each its own tensor
 /// scale), matrices taller than the GEMV's grid, 1 to 64 tokens (several
 /// token blocks), into y and added to it; the same through the tiled GEMM (1
-/// to 100 tokens, one column split and many), and the GEMM in the GEMV's
-/// order (64 tokens a launch past 64) equal to the GEMV bit for bit. And the
+/// to 100 tokens, one column split and many; a partial last chunk too), and
+/// the GEMM in the GEMV's order (64 tokens a launch past 64) equal to the
+/// GEMV bit for bit. And the
 /// dequantization to BF16: each weight within one BF16 rounding.
 #[test]
 fn fp4_gemv_matches_the_cpu_reference() {
