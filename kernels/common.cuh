@@ -94,13 +94,10 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
     return (u32)a;
 }
 
-// Global -> shared, 16 (L2 only), 8 or 4 bytes, to a shared address
+// Global -> shared, 16 (L2 only) or 4 bytes, to a shared address
 // (smem_u32); `bytes` 0 writes zeros and reads nothing.
 __device__ __forceinline__ void cp_async16_shared(u32 dst, const void* src, int bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async8_shared(u32 dst, const void* src, int bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(bytes));
 }
 __device__ __forceinline__ void cp_async4_shared(u32 dst, const void* src, int bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes));
@@ -108,9 +105,6 @@ __device__ __forceinline__ void cp_async4_shared(u32 dst, const void* src, int b
 // The same to a shared pointer (fp4.cu's tiled GEMM, fp4_blackwell.cu).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
     cp_async16_shared(smem_u32(dst), src, bytes);
-}
-__device__ __forceinline__ void cp_async8(void* dst, const void* src, int bytes) {
-    cp_async8_shared(smem_u32(dst), src, bytes);
 }
 __device__ __forceinline__ void cp_async4(void* dst, const void* src, int bytes) {
     cp_async4_shared(smem_u32(dst), src, bytes);

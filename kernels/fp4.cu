@@ -735,7 +735,8 @@ extern "C" __global__ void fp4_to_bf16(const unsigned char* __restrict__ codes, 
     const u64 groups = (u64)rows * cols / 32;
     for (u64 gi = blockIdx.x * (u64)blockDim.x + threadIdx.x; gi < groups; gi += (u64)gridDim.x * blockDim.x) {
         const u64 e0 = gi * 32, r = e0 / cols;
-        const int c0 = (int)(e0 % cols), lane_t = (c0 >> 5) & 3, scale_row = nv ? 8 : 4;
+        const int c0 = (int)(e0 % cols), lane_t = (c0 >> 5) & 3;
+        const int scale_row = nv ? fp4_scale_row<true>() : fp4_scale_row<false>();
         const u64 item = (r >> 4) * (u64)((cols + 127) >> 7) + (c0 >> 7);  // the tile's chunk
         const float rs = row_scale[r];
         const unsigned char* sc_at = scales + item * 16 * scale_row + (r & 15) * scale_row;

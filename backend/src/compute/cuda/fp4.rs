@@ -128,11 +128,11 @@ fn tiled_layout(
     scales: &[u8],
 ) -> (Vec<u8>, Vec<u8>) {
     let chunks = cols.div_ceil(CHUNK_COLS);
-    let items = rows.div_ceil(TILE_ROWS) * chunks;
     let (chunk_codes, row_scales) = (CHUNK_COLS / 2, CHUNK_COLS / block);
     let (code_row, scale_row) = (cols / 2, cols / block);
-    let mut tiled_codes = vec![0u8; items * TILE_ROWS * chunk_codes];
-    let mut tiled_scales = vec![0u8; items * TILE_ROWS * row_scales];
+    let (code_bytes, scale_bytes) = tiled_bytes(rows, cols, block);
+    let mut tiled_codes = vec![0u8; code_bytes];
+    let mut tiled_scales = vec![0u8; scale_bytes];
     for r in 0..rows {
         let (tile, in_tile) = (r / TILE_ROWS, r % TILE_ROWS);
         let codes = &codes[r * code_row..(r + 1) * code_row];
