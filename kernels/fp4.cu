@@ -30,7 +30,8 @@
 // H200's SMs: 11 warps an SM, 20% of DRAM bandwidth under ncu.) In a chunk
 // lane (g = lane / 4, t = lane % 4) loads 16 bytes (32 codes) of rows g and
 // g + 8 at columns 32t .. 32t + 31, and the same 32 columns of x for token g
-// of each 8-token tile. The dot product does not care in which order the
+// of each 8-token tile (the fused one-token kernels from shared memory,
+// copied with the chunk: X_SMEM in fp4_gemv). The dot product does not care in which order the
 // columns are summed, so mma step j (of 8) gives the A fragment's columns
 // {2t, 2t+1} and {2t+8, 2t+9} the column pairs 2h and 2h + 1 of word
 // q = j / 2 (h = j % 2), and the B fragment x's words 2h and 2h + 1 of the
@@ -179,6 +180,13 @@ __device__ __forceinline__ void cp_async_if(u32 copy, u32 dst, const void* src) 
                  "l"(src), "r"(copy), "n"(BYTES));
 }
 
+// The same, 16 bytes of which `bytes` (16 or 0: zeros) are read, by the
+// lanes whose `copy` is non-zero.
+__device__ __forceinline__ void cp_async16_ca_if(u32 copy, u32 dst, const void* src, int bytes) {
+    asm volatile("{.reg .pred p; setp.ne.b32 p, %2, 0; @p cp.async.ca.shared.global [%0], [%1], 16, %3;}" ::"r"(dst),
+                 "l"(src), "r"(copy), "r"(bytes));
+}
+
 // A chunk's x for each token tile: lane (g, t)'s 32 columns (4 x 16 bytes)
 // from `x_tok[nt] + xo`.
 template <int NT>
@@ -280,6 +288,27 @@ constexpr int fp4_scale_row() {
 #define GEMV_STAGE_BYTES (1024 + 128)
 #define GEMV_WARPS 8
 
+// Where piece p (16 bytes, 8 columns) of a chunk's x sits in its stage of
+// GEMV_X_STAGE bytes: pieces 8-15 one slot on, so that a quarter-warp's
+// lanes t = 0..3 reading their pieces 4t + i hit four distinct bank groups
+// (i, 4 + i, 1 + i, 5 + i; without the gap lanes 0 and 2 would share one).
+__device__ __forceinline__ int gemv_x_slot(int p) { return p + (p >> 3); }
+#define GEMV_X_STAGE (17 * 16)
+
+// A warp's x stages (shared address) where the kernel copies x (ON), else
+// nothing: the other kernels' shared memory stays as it was (16 bytes more
+// of it, moving the stages off their 1 KB alignment, cost them 3-4% at
+// batch 8).
+template <bool ON>
+__device__ __forceinline__ u32 gemv_x_stages(int warp) {
+    if constexpr (ON) {
+        __shared__ __align__(16) unsigned char x_stage[GEMV_WARPS][GEMV_STAGES][GEMV_X_STAGE];
+        return smem_u32(x_stage[warp]);
+    } else {
+        return 0;
+    }
+}
+
 template <bool B>
 struct fp4_bool {
     static constexpr bool value = B;
@@ -349,6 +378,13 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ float partial[2][GEMV_WARPS][NT][32][4];
     __shared__ float sumsq[GEMV_WARPS];
+    // The fused (one-token) kernels copy x's 256 bytes of a chunk into the
+    // chunk's stage with its codes, piece p (8 columns) at gemv_x_slot(p), so
+    // that x arrives with the weights instead of from L2 in the loop: under
+    // ncu its loads were the largest stall (long scoreboard 2.2-2.5 a issued
+    // instruction for QKV and O, halved this way; BENCHMARKS.md). The other
+    // kernels' lanes load up to 8 tokens' x straight into registers.
+    constexpr bool X_SMEM = MODE != FP4_PLAIN;
     fp4_fill_scale_table<NV>(shift);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int tok0 = blockIdx.x * NT * 8;
@@ -373,6 +409,11 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     const u32 codes_a = opaque(warp_smem + 64 * fp4_slot(la) + 16 * t);
     const u32 codes_b = MODE == FP4_NORM_ROPE ? opaque(warp_smem + 64 * fp4_slot(lb) + 16 * t) : codes_a + 512;
     const u32 scales_a = opaque(warp_smem + 1024 + SCALE_ROW * la + (NV ? 2 : 1) * t);
+    // X_SMEM: lanes 16-31 copy x's pieces lane - 16 of an item; lane (g, t)
+    // reads pieces 4t .. 4t + 3.
+    const u32 x_warp = gemv_x_stages<X_SMEM>(warp);
+    const u32 x_copy_at = X_SMEM ? opaque(x_warp + 16 * gemv_x_slot(lane & 15)) : 0;
+    const u32 x_read_at = X_SMEM ? opaque(x_warp + 16 * gemv_x_slot(4 * t)) : 0;
     const u32 scales_b = scales_a + SCALE_ROW * fp4_b_rows<MODE>();
 
     // The residual's sums of squares: this thread's first one loaded now,
@@ -423,6 +464,9 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     const unsigned char* src_s = scales;
     int issued = 0, tile_left = 0, next_tile = blockIdx.y, write_stage = 0, read_stage = 0;
     const u32 copies_scales = opaque((u32)(lane < ITEM_SCALES / 16));
+    const u32 copies_x = X_SMEM ? opaque((u32)(lane >= 16)) : 0;
+    const bf16* src_x = x;
+    int x_col_copy = 0;
     // Copies the next item into its stage (and commits a group, an empty one
     // past the last item, so that the wait below always counts the same).
     auto issue = [&]() {
@@ -431,6 +475,8 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                 const u32 item = (u32)next_tile * (u32)chunks + warp;
                 src_c = codes + item * 1024u + 16 * lane;
                 src_s = scales + item * ITEM_SCALES + 16 * lane;
+                x_col_copy = warp * 128 + 8 * (lane & 15);
+                src_x = x + x_col_copy;
                 tile_left = per_tile;
                 next_tile += gridDim.y;
             }
@@ -438,6 +484,12 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
             cp_async16_shared(at, src_c, 16);
             cp_async16_shared(at + 512, src_c + 512, 16);
             cp_async_if<16>(copies_scales, at + 1024, src_s);
+            if (X_SMEM) {  // x's columns past cols (a partial last chunk) as zeros
+                const bool in = x_col_copy < cols;  // (and a source inside x either way)
+                cp_async16_ca_if(copies_x, x_copy_at + write_stage * GEMV_X_STAGE, in ? src_x : x, in ? 16 : 0);
+                src_x += GEMV_WARPS * 128;
+                x_col_copy += GEMV_WARPS * 128;
+            }
             write_stage = gemv_next_stage(write_stage);
             src_c += GEMV_WARPS * 1024;
             src_s += GEMV_WARPS * ITEM_SCALES;
@@ -460,7 +512,9 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
             float acc[NT][4] = {};
             for (int j = 0, xo = 0; j < per_tile; j++, xo += GEMV_WARPS * 128) {
                 uint4 xv[NT][4];
-                if (WHOLE || x_col + xo < cols) {
+                if (X_SMEM) {
+                    // read from the stage below, once it is in
+                } else if (WHOLE || x_col + xo < cols) {
                     fp4_load_x<NT>(xv, x_tok, xo);
                 } else {
 #pragma unroll
@@ -475,6 +529,11 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                 const uint4 wa = lds128(codes_a + stage), wb = lds128(codes_b + stage);
                 const u32 sa = NV ? lds_u16(scales_a + stage) : lds_u8(scales_a + stage);
                 const u32 sb = NV ? lds_u16(scales_b + stage) : lds_u8(scales_b + stage);
+                if (X_SMEM) {
+                    const u32 xs = x_read_at + read_stage * GEMV_X_STAGE;
+#pragma unroll
+                    for (int i = 0; i < 4; i++) xv[0][i] = lds128(xs + 16 * i);
+                }
                 read_stage = gemv_next_stage(read_stage);
                 __syncwarp();  // every lane has read the stage before the next issue refills it
                 fp4_chunk_mma<NV, NT>(acc, wa, wb, sa, sb, xv);
