@@ -31,14 +31,14 @@
 // lane (g = lane / 4, t = lane % 4) loads 16 bytes (32 codes) of rows g and
 // g + 8 at columns 32t .. 32t + 31, and the same 32 columns of x for token g
 // of each 8-token tile (the fused one-token kernels from shared memory,
-// copied with the chunk: X_SMEM in fp4_gemv). The dot product does not care in which order the
-// columns are summed, so mma step j (of 8) gives the A fragment's columns
-// {2t, 2t+1} and {2t+8, 2t+9} the column pairs 2h and 2h + 1 of word
-// q = j / 2 (h = j % 2), and the B fragment x's words 2h and 2h + 1 of the
-// same 8 columns as they are (x needs no reordering). (With the file order,
-// codes (q, q + 4) made a pair: x took two byte permutes an mma, and each
-// pair two shifts and two masks; now x none, and a pair 1.25 shifts and 1.5
-// masks on average.)
+// copied with the chunk: X_SMEM in fp4_gemv). The dot product does not care
+// in which order the columns are summed, so mma step j (of 8) gives the A
+// fragment's columns {2t, 2t+1} and {2t+8, 2t+9} the column pairs 2h and
+// 2h + 1 of word q = j / 2 (h = j % 2), and the B fragment x's words 2h and
+// 2h + 1 of the same 8 columns as they are (x needs no reordering). (With
+// the file order, codes (q, q + 4) made a pair: x took two byte permutes an
+// mma, and each pair two shifts and two masks; now x none, and a pair 1.25
+// shifts and 1.5 masks on average.)
 // Partial sums meet in shared memory in a fixed order (deterministic).
 
 // Column pair P of a 32-bit word of codes (Layout above) as bf16x2 times
@@ -378,8 +378,9 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ float partial[2][GEMV_WARPS][NT][32][4];
     __shared__ float sumsq[GEMV_WARPS];
-    // The fused (one-token) kernels copy x's 256 bytes of a chunk into the
-    // chunk's stage with its codes, piece p (8 columns) at gemv_x_slot(p), so
+    // The fused (one-token) kernels copy x's 256 bytes of a chunk into an x
+    // stage beside the chunk's (same index, same copy group), piece p (8
+    // columns) at gemv_x_slot(p), so
     // that x arrives with the weights instead of from L2 in the loop: under
     // ncu its loads were the largest stall (long scoreboard 2.2-2.5 a issued
     // instruction for QKV and O, halved this way; BENCHMARKS.md). The other
