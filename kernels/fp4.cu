@@ -380,11 +380,11 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     __shared__ float sumsq[GEMV_WARPS];
     // The fused (one-token) kernels copy x's 256 bytes of a chunk into an x
     // stage beside the chunk's (same index, same copy group), piece p (8
-    // columns) at gemv_x_slot(p), so
-    // that x arrives with the weights instead of from L2 in the loop: under
-    // ncu its loads were the largest stall (long scoreboard 2.2-2.5 a issued
-    // instruction for QKV and O, halved this way; BENCHMARKS.md). The other
-    // kernels' lanes load up to 8 tokens' x straight into registers.
+    // columns) at gemv_x_slot(p), so that x arrives with the weights instead
+    // of from L2 in the loop: under ncu its loads were the largest stall
+    // (long scoreboard 2.2-2.5 a issued instruction for QKV and O, halved
+    // this way; BENCHMARKS.md). The other kernels' lanes load up to 8
+    // tokens' x straight into registers.
     constexpr bool X_SMEM = MODE != FP4_PLAIN;
     fp4_fill_scale_table<NV>(shift);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
