@@ -262,6 +262,12 @@ pub struct FleetConfig {
     pub connect_timeout_ms: u64,
 }
 
+impl FleetConfig {
+    pub fn connect_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.connect_timeout_ms)
+    }
+}
+
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TelemetryConfig {

@@ -352,7 +352,8 @@ impl Gateway {
         worker.id
     }
 
-    /// The calling thread's HTTP client to workers (its own connection pool).
+    /// The calling thread's HTTP client to OpenAI workers (its own connection
+    /// pool; sluice workers' token path goes through `upstream::conn`).
     pub fn client(&self) -> reqwest::Client {
         crate::api::thread_client(|| {
             worker_client(&self.config).unwrap_or_else(|_| self.client.clone())

@@ -3,7 +3,8 @@
 //! a request is read, preprocessed, relayed and answered on one thread (the
 //! kernel spreads connections over the threads; only the admission queue and
 //! the shared fleet state are touched across threads). Each thread has its
-//! own HTTP client (and connection pool) to the workers.
+//! own connections to the workers: to sluice workers through
+//! `upstream::conn`'s pool, to OpenAI workers through a reqwest client.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -13,7 +14,7 @@ use tokio::sync::watch;
 use crate::gateway::Gateway;
 
 thread_local! {
-    /// This thread's client to the workers (see `Gateway::client`).
+    /// This thread's client to OpenAI workers (see `Gateway::client`).
     static CLIENT: std::cell::OnceCell<reqwest::Client> = const { std::cell::OnceCell::new() };
 }
 

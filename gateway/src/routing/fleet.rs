@@ -74,8 +74,9 @@ pub struct Worker {
     role: Mutex<Role>,
     /// When the worker last registered (or was added).
     registered_at: Mutex<Instant>,
-    /// `{url}/internal/generate`, parsed once (or why it does not parse).
-    generate_url: Result<reqwest::Url, String>,
+    /// The address to connect to and the path prefix of its URL, split
+    /// once (or why it does not split).
+    endpoint: Result<(String, String), String>,
 }
 
 impl Worker {
@@ -132,10 +133,14 @@ impl Worker {
         }
     }
 
-    /// Where a sluice worker takes token ids, parsed when the worker was
-    /// added (a request then parses no URL, IDNA host processing and all).
-    pub fn generate_url(&self) -> Result<reqwest::Url, String> {
-        self.generate_url.clone()
+    /// The address a sluice worker is reached at and its URL's path prefix
+    /// (`internal/...` follows it), split when the worker was added (a
+    /// request then parses no URL).
+    pub fn endpoint(&self) -> Result<(&str, &str), &str> {
+        match &self.endpoint {
+            Ok((authority, prefix)) => Ok((authority, prefix)),
+            Err(why) => Err(why),
+        }
     }
 }
 
@@ -280,7 +285,8 @@ impl Fleet {
             load: Mutex::new(Load::default()),
             role: Mutex::new(Role::Both),
             registered_at: Mutex::new(Instant::now()),
-            generate_url: reqwest::Url::parse(&format!("{url}/internal/generate"))
+            endpoint: crate::upstream::conn::split_url(url)
+                .map(|(authority, prefix)| (authority.to_string(), prefix.to_string()))
                 .map_err(|e| e.to_string()),
         });
         let mut next = (*current).clone();

@@ -19,6 +19,7 @@
 //! forwarded and its answer relayed byte for byte (`passthrough`); the same
 //! retry rule holds: until the first byte reaches the client.
 
+pub mod conn;
 pub mod passthrough;
 
 use std::pin::Pin;
@@ -32,7 +33,6 @@ use sluice_backend::engine::{GenerateEvent, Usage};
 use sluice_backend::server::{ApiError, PrefillDone};
 use sluice_backend::transfer::KvTarget;
 use tokio::sync::{mpsc, oneshot};
-use tokio_stream::StreamExt;
 
 use crate::admission::Ticket;
 use crate::config::WorkerKind;
@@ -599,17 +599,19 @@ async fn attempt(
         Some(_) => with_remote_prefill(&job.body),
         None => job.body.clone(),
     };
-    let url = match worker.generate_url() {
-        Ok(url) => url,
+    let (authority, prefix) = match worker.endpoint() {
+        Ok(endpoint) => endpoint,
         Err(e) => return Attempt::Retry(format!("bad URL: {e}"), worker.id),
     };
-    let request = gateway
-        .client()
-        .post(url)
-        .header("content-type", "application/json")
-        .header("traceparent", job.trace.header())
-        .body(body)
-        .send();
+    let path = format!("{prefix}/internal/generate");
+    let traceparent = job.trace.header();
+    let request = conn::post_json(
+        authority,
+        &path,
+        &traceparent,
+        body,
+        gateway.config.fleet.connect_timeout(),
+    );
     let response = tokio::select! {
         r = tokio::time::timeout_at(job.deadline.into(), request) => r,
         () = out.client_gone() => return Attempt::ClientGone,
@@ -636,7 +638,7 @@ async fn attempt(
         prefill_worker: None,
         relayed: None,
     };
-    let mut body = response.bytes_stream();
+    let mut body = response;
     let mut pending: Vec<u8> = Vec::new();
     let mut last_token: Option<Instant> = None;
     // The prefill hop's call, from the decode worker's `awaiting_kv` until
@@ -651,7 +653,7 @@ async fn attempt(
             Some(t) => (t + idle).min(job.deadline),
         };
         let chunk = tokio::select! {
-            c = tokio::time::timeout_at(wait_until.into(), body.next()) => c,
+            c = tokio::time::timeout_at(wait_until.into(), body.chunk()) => c,
             () = out.client_gone() => return Attempt::ClientGone,
             r = OptionFuture::from(prefill_call.as_mut()), if prefill_call.is_some() => {
                 prefill_call = None;
@@ -851,13 +853,15 @@ async fn call_prefill(
         body.extend_from_slice(br#","target":"#);
         body.extend_from_slice(&target);
         body.push(b'}');
-        let request = gateway
-            .client()
-            .post(format!("{}/internal/prefill", worker.url))
-            .header("content-type", "application/json")
-            .header("traceparent", job.trace.header())
-            .body(body)
-            .send();
+        let (authority, prefix) = worker.endpoint().map_err(|e| format!("bad URL: {e}"))?;
+        let (path, traceparent) = (format!("{prefix}/internal/prefill"), job.trace.header());
+        let request = conn::post_json(
+            authority,
+            &path,
+            &traceparent,
+            body.into(),
+            gateway.config.fleet.connect_timeout(),
+        );
         let response = tokio::time::timeout_at(job.deadline.into(), request)
             .await
             .map_err(|_| "timed out".to_string())?
@@ -865,10 +869,12 @@ async fn call_prefill(
         if !response.status().is_success() {
             return Err(error_answer(job, response).await.message);
         }
-        let done: PrefillDone = tokio::time::timeout_at(job.deadline.into(), response.json())
+        let answer = tokio::time::timeout_at(job.deadline.into(), response.bytes(ANSWER_LIMIT))
             .await
             .map_err(|_| "timed out".to_string())?
             .map_err(|e| format!("bad answer: {e}"))?;
+        let done: PrefillDone =
+            serde_json::from_slice(&answer).map_err(|e| format!("bad answer: {e}"))?;
         tracing::debug!(
             worker = worker.id,
             cached_tokens = done.cached_tokens,
@@ -895,16 +901,17 @@ fn with_remote_prefill(body: &bytes::Bytes) -> bytes::Bytes {
 }
 
 /// The error a refusing worker gave, as ours.
-async fn error_answer(job: &Job, response: reqwest::Response) -> ApiError {
+async fn error_answer(job: &Job, response: conn::Answer) -> ApiError {
     let status = response.status();
     let body = tokio::time::timeout_at(
         job.deadline.min(Instant::now() + ERROR_BODY_WAIT).into(),
-        response.json::<serde_json::Value>(),
+        response.bytes(ANSWER_LIMIT),
     )
     .await;
     let message = body
         .ok()
         .and_then(Result::ok)
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
         .and_then(|v| v["error"]["message"].as_str().map(String::from))
         .unwrap_or_else(|| format!("the worker answered {status}"));
     ApiError::with_code(
@@ -913,6 +920,9 @@ async fn error_answer(job: &Job, response: reqwest::Response) -> ApiError {
         message,
     )
 }
+
+/// The most a worker's whole answer (an error, a prefill's report) may be.
+const ANSWER_LIMIT: usize = 1 << 20;
 
 /// How long the error body of a refusing worker is waited for.
 const ERROR_BODY_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
