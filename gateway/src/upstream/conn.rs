@@ -269,6 +269,19 @@ mod tests {
         (addr, accepted)
     }
 
+    /// A request to the test server, which must be answered.
+    async fn ask(addr: &str) -> Answer {
+        post_json(
+            addr,
+            "/x",
+            "00-a-b-01",
+            Bytes::from_static(b"{}"),
+            Duration::from_secs(1),
+        )
+        .await
+        .unwrap()
+    }
+
     #[test]
     fn urls_split_into_address_and_path_prefix_and_others_are_refused() {
         assert_eq!(
@@ -289,39 +302,15 @@ mod tests {
     async fn answers_read_to_the_end_leave_their_connection_for_the_next_request() {
         let (addr, accepted) = server("{\"ok\":1}", false).await;
         for _ in 0..3 {
-            let answer = post_json(
-                &addr,
-                "/x",
-                "00-a-b-01",
-                Bytes::from_static(b"{}"),
-                Duration::from_secs(1),
-            )
-            .await
-            .unwrap();
+            let answer = ask(&addr).await;
             assert_eq!(answer.status(), StatusCode::OK);
             assert_eq!(answer.bytes(1 << 10).await.unwrap(), b"{\"ok\":1}");
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 1);
         // An answer dropped unread closes its connection: the next one is new.
-        let answer = post_json(
-            &addr,
-            "/x",
-            "00-a-b-01",
-            Bytes::from_static(b"{}"),
-            Duration::from_secs(1),
-        )
-        .await
-        .unwrap();
+        let answer = ask(&addr).await;
         drop(answer);
-        let answer = post_json(
-            &addr,
-            "/x",
-            "00-a-b-01",
-            Bytes::from_static(b"{}"),
-            Duration::from_secs(1),
-        )
-        .await
-        .unwrap();
+        let answer = ask(&addr).await;
         assert_eq!(answer.bytes(1 << 10).await.unwrap(), b"{\"ok\":1}");
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
     }
@@ -330,15 +319,7 @@ mod tests {
     async fn a_pooled_connection_the_worker_closed_is_retried_on_a_new_one() {
         let (addr, accepted) = server("done", true).await;
         for round in 1..=3 {
-            let answer = post_json(
-                &addr,
-                "/x",
-                "00-a-b-01",
-                Bytes::from_static(b"{}"),
-                Duration::from_secs(1),
-            )
-            .await
-            .unwrap();
+            let answer = ask(&addr).await;
             assert_eq!(answer.bytes(1 << 10).await.unwrap(), b"done");
             // Let the server's close reach the pooled connection (or not:
             // either way the next request must succeed).
