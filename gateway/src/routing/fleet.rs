@@ -74,9 +74,8 @@ pub struct Worker {
     role: Mutex<Role>,
     /// When the worker last registered (or was added).
     registered_at: Mutex<Instant>,
-    /// The address to connect to and the path prefix of its URL, split
-    /// once (or why it does not split).
-    endpoint: Result<(String, String), String>,
+    /// Where its token API is, from its URL once (or why it does not split).
+    endpoint: Result<Endpoint, String>,
 }
 
 impl Worker {
@@ -133,14 +132,31 @@ impl Worker {
         }
     }
 
-    /// The address a sluice worker is reached at and its URL's path prefix
-    /// (`internal/...` follows it), split when the worker was added (a
-    /// request then parses no URL).
-    pub fn endpoint(&self) -> Result<(&str, &str), &str> {
-        match &self.endpoint {
-            Ok((authority, prefix)) => Ok((authority, prefix)),
-            Err(why) => Err(why),
-        }
+    /// Where a sluice worker takes token ids, from its URL when the worker
+    /// was added (a request then parses and formats nothing).
+    pub fn endpoint(&self) -> Result<&Endpoint, &str> {
+        self.endpoint.as_ref().map_err(String::as_str)
+    }
+}
+
+/// A sluice worker's token API: the address to connect to and the paths of
+/// its generate and prefill calls (behind its URL's path prefix, if any).
+#[derive(Debug)]
+pub struct Endpoint {
+    pub authority: String,
+    pub generate_path: String,
+    pub prefill_path: String,
+}
+
+impl Endpoint {
+    fn of(url: &str) -> Result<Self, String> {
+        let (authority, prefix) =
+            crate::upstream::conn::split_url(url).map_err(|e| e.to_string())?;
+        Ok(Endpoint {
+            authority: authority.to_string(),
+            generate_path: format!("{prefix}/internal/generate"),
+            prefill_path: format!("{prefix}/internal/prefill"),
+        })
     }
 }
 
@@ -285,9 +301,7 @@ impl Fleet {
             load: Mutex::new(Load::default()),
             role: Mutex::new(Role::Both),
             registered_at: Mutex::new(Instant::now()),
-            endpoint: crate::upstream::conn::split_url(url)
-                .map(|(authority, prefix)| (authority.to_string(), prefix.to_string()))
-                .map_err(|e| e.to_string()),
+            endpoint: Endpoint::of(url),
         });
         let mut next = (*current).clone();
         next.push(worker.clone());

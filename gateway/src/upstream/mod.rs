@@ -599,15 +599,14 @@ async fn attempt(
         Some(_) => with_remote_prefill(&job.body),
         None => job.body.clone(),
     };
-    let (authority, prefix) = match worker.endpoint() {
+    let endpoint = match worker.endpoint() {
         Ok(endpoint) => endpoint,
         Err(e) => return Attempt::Retry(format!("bad URL: {e}"), worker.id),
     };
-    let path = format!("{prefix}/internal/generate");
     let traceparent = job.trace.header();
     let request = conn::post_json(
-        authority,
-        &path,
+        &endpoint.authority,
+        &endpoint.generate_path,
         &traceparent,
         body,
         gateway.config.fleet.connect_timeout(),
@@ -853,11 +852,11 @@ async fn call_prefill(
         body.extend_from_slice(br#","target":"#);
         body.extend_from_slice(&target);
         body.push(b'}');
-        let (authority, prefix) = worker.endpoint().map_err(|e| format!("bad URL: {e}"))?;
-        let (path, traceparent) = (format!("{prefix}/internal/prefill"), job.trace.header());
+        let endpoint = worker.endpoint().map_err(|e| format!("bad URL: {e}"))?;
+        let traceparent = job.trace.header();
         let request = conn::post_json(
-            authority,
-            &path,
+            &endpoint.authority,
+            &endpoint.prefill_path,
             &traceparent,
             body.into(),
             gateway.config.fleet.connect_timeout(),
