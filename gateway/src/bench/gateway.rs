@@ -67,7 +67,7 @@ pub enum GatewayBenchError {
 }
 
 /// CPU time of every thread of `pid`, in ns (Linux schedstat).
-fn process_cpu_ns(pid: u32) -> Option<u64> {
+pub fn process_cpu_ns(pid: u32) -> Option<u64> {
     let mut total = 0u64;
     for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
         let path = task.ok()?.path().join("schedstat");

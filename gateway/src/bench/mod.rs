@@ -16,7 +16,7 @@ pub use engine::{EngineBenchOptions, run_engine_bench};
 pub use engine_cuda::{CudaEngineBenchOptions, run_cuda_engine_bench};
 pub use fp4::{Fp4BenchOptions, run_fp4_accuracy_bench};
 pub use fp4_gpu::run_fp4_gpu_bench;
-pub use gateway::{GatewayBenchOptions, run_gateway_bench};
+pub use gateway::{GatewayBenchOptions, process_cpu_ns, run_gateway_bench};
 pub use plugins::{PluginBenchOptions, run_plugin_bench};
 pub use routing::{RoutingBenchOptions, TraceChoice, run_routing_bench};
 pub use transfer::{TransferBenchOptions, run_transfer_bench};
