@@ -195,9 +195,10 @@ struct RopeKvOut {
 // values (a, b): a Q or K pair rotated by RoPE (pos * theta^(-2i / head_dim),
 // i its pair in the head) and written as BF16 to q_out or the cache slot of
 // the token; a V pair written as is.
-__device__ __forceinline__ void rope_kv_pair(const RopeKvOut& o, int t, int at, float a, float b) {
+// (rope_kv_pair_at: token t's cache slot and position given, loaded before.)
+__device__ __forceinline__ void rope_kv_pair_at(const RopeKvOut& o, int t, u64 slot, int position, int at, float a,
+                                                float b) {
     const int q_dim = o.n_heads * o.head_dim, kv_dim = o.n_kv_heads * o.head_dim;
-    const u64 slot = (u64)o.slots[t];
     if (at >= q_dim + kv_dim) {
         *(u32*)(o.v_cache + slot * kv_dim + at - q_dim - kv_dim) = (u32)f32_to_bf16(a) | ((u32)f32_to_bf16(b) << 16);
         return;
@@ -205,11 +206,14 @@ __device__ __forceinline__ void rope_kv_pair(const RopeKvOut& o, int t, int at, 
     const int i = (at % o.head_dim) / 2;
     const float freq = powf(o.theta, -2.0f * (float)i / (float)o.head_dim);
     float s, c;
-    sincosf((float)o.positions[t] * freq, &s, &c);
+    sincosf((float)position * freq, &s, &c);
     const u32 rotated = (u32)f32_to_bf16(a * c - b * s) | ((u32)f32_to_bf16(a * s + b * c) << 16);
     if (at < q_dim) {
         *(u32*)(o.q_out + (u64)t * q_dim + at) = rotated;
     } else {
         *(u32*)(o.k_cache + slot * kv_dim + at - q_dim) = rotated;
     }
+}
+__device__ __forceinline__ void rope_kv_pair(const RopeKvOut& o, int t, int at, float a, float b) {
+    rope_kv_pair_at(o, t, (u64)o.slots[t], o.positions[t], at, a, b);
 }

@@ -199,12 +199,12 @@ __device__ __forceinline__ void fp4_load_x(uint4 (&xv)[NT][4], const bf16* const
 
 // Thread (lane, i) of an 8-token tile's accumulators: row g (i < 2) or g + 8,
 // token 2t + (i & 1).
-__device__ __forceinline__ void fp4_store(float* __restrict__ y, const float* __restrict__ row_scale, float s, int row,
-                                          int j, int n, int rows, float out_pow2, int accumulate) {
+__device__ __forceinline__ void fp4_store(float* __restrict__ y, float row_scale, float s, int row, int j, int n,
+                                          int rows, float out_pow2, int accumulate) {
     if (row < rows && j < n) {
         // Rounded steps (no fused multiply-add), as in fp4_splitk_sum: the
         // GEMV and the GEMM in GEMV order must agree to the bit.
-        const float v = __fmul_rn(__fmul_rn(s, out_pow2), row_scale[row]);
+        const float v = __fmul_rn(__fmul_rn(s, out_pow2), row_scale);
         float* out = y + (u64)j * rows + row;
         *out = accumulate ? __fadd_rn(*out, v) : v;
     }
@@ -245,6 +245,40 @@ struct Fp4Epilogue {
     const float* g_next;
     RopeKvOut rope;
 };
+
+// What a tile's end reads besides the sums: the row scales of rows a and b,
+// and under RESIDUAL y and the next norm's weights there. Warp 0 loads them
+// as the tile starts (ld_early: where written, not moved to the use) so that
+// their trip to memory passes under the tile's chunks; loaded at the end,
+// they held warp 0 up, and every warp with it at the next tile's barrier.
+struct Fp4TileIn {
+    float scale_a = 0.0f, scale_b = 0.0f, y_a = 0.0f, y_b = 0.0f, g_a = 0.0f, g_b = 0.0f;
+};
+template <typename T>
+__device__ __forceinline__ T ld_early(const T* p) {
+    static_assert(sizeof(T) == 4, "32-bit loads");
+    u32 v;
+    asm volatile("ld.global.b32 %0, [%1];" : "=r"(v) : "l"(p));
+    T r;
+    memcpy(&r, &v, 4);
+    return r;
+}
+template <int MODE>
+__device__ __forceinline__ Fp4TileIn fp4_tile_in(const Fp4Epilogue& epi, const float* row_scale, const float* y,
+                                                 int ra, int rb, int rows) {
+    Fp4TileIn in;
+    in.scale_a = ld_early(row_scale + min(ra, rows - 1));  // (rows past `rows` are never stored)
+    in.scale_b = ld_early(row_scale + min(rb, rows - 1));
+    if (MODE == FP4_RESIDUAL) {
+        in.y_a = ld_early(y + ra);
+        in.y_b = ld_early(y + rb);
+        if (epi.out) {
+            in.g_a = ld_early(epi.g_next + ra);
+            in.g_b = ld_early(epi.g_next + rb);
+        }
+    }
+    return in;
+}
 
 // Rows a and b (= a + b_rows) of lane row g in 16-row tile `tile` (MODE above).
 template <int MODE>
@@ -293,16 +327,21 @@ constexpr int fp4_scale_row() {
 // lanes t = 0..3 reading their pieces 4t + i hit four distinct bank groups
 // (i, 4 + i, 1 + i, 5 + i; without the gap lanes 0 and 2 would share one).
 __device__ __forceinline__ int gemv_x_slot(int p) { return p + (p >> 3); }
-#define GEMV_X_STAGE (17 * 16)
+// A token row of x in a stage: 17 slots for one row; 18 where rows g and g + 1
+// share a quarter-warp (18 slots = 2 bank groups on: disjoint groups).
+template <int ROWS>
+constexpr int gemv_x_row_bytes() {
+    return ROWS == 1 ? 17 * 16 : 18 * 16;
+}
 
-// A warp's x stages (shared address) where the kernel copies x (ON), else
-// nothing: the other kernels' shared memory stays as it was (16 bytes more
+// A warp's x stages (shared address) where the kernel copies ROWS token rows
+// of x, else (ROWS = 0) nothing: the other kernels' shared memory stays as it was (16 bytes more
 // of it, moving the stages off their 1 KB alignment, cost them 3-4% at
 // batch 8).
-template <bool ON>
+template <int ROWS>
 __device__ __forceinline__ u32 gemv_x_stages(int warp) {
-    if constexpr (ON) {
-        __shared__ __align__(16) unsigned char x_stage[GEMV_WARPS][GEMV_STAGES][GEMV_X_STAGE];
+    if constexpr (ROWS > 0) {
+        __shared__ __align__(16) unsigned char x_stage[GEMV_WARPS][GEMV_STAGES][ROWS * gemv_x_row_bytes<ROWS>()];
         return smem_u32(x_stage[warp]);
     } else {
         return 0;
@@ -330,8 +369,8 @@ __device__ __forceinline__ void fp4_x_lanes(const bf16* (&x_tok)[NT], const bf16
 // warp order, as fp4_store scales them.
 template <int MODE>
 __device__ __forceinline__ void fp4_fused_store(const Fp4Epilogue& epi, float (*partial)[1][32][4], const float* sumsq,
-                                                int lane, int ra, int rb, float* __restrict__ y,
-                                                const float* __restrict__ row_scale, int cols, float out_pow2) {
+                                                int lane, int ra, int rb, const Fp4TileIn& in, u64 rope_slot,
+                                                int rope_pos, float* __restrict__ y, int cols, float out_pow2) {
     float sa = 0.0f, sb = 0.0f;
 #pragma unroll
     for (int w = 0; w < GEMV_WARPS; w++) {
@@ -345,18 +384,18 @@ __device__ __forceinline__ void fp4_fused_store(const Fp4Epilogue& epi, float (*
         for (int w = 0; w < GEMV_WARPS; w++) ss += sumsq[w];
         norm = 1.0f / sqrtf(ss / (float)cols + epi.eps);
     }
-    const float va = sa * out_pow2 * row_scale[ra] * norm, vb = sb * out_pow2 * row_scale[rb] * norm;
+    const float va = sa * out_pow2 * in.scale_a * norm, vb = sb * out_pow2 * in.scale_b * norm;
     if (MODE == FP4_NORM_ROPE) {
-        rope_kv_pair(epi.rope, 0, ra, va, vb);
+        rope_kv_pair_at(epi.rope, 0, rope_slot, rope_pos, ra, va, vb);
     } else if (MODE == FP4_NORM_SWIGLU) {
         epi.out[(ra >> 4) * 8 + (ra & 7)] = f32_to_bf16(silu_times(va, vb));
     } else {  // FP4_RESIDUAL
-        const float ya = y[ra] + va, yb = y[rb] + vb;
+        const float ya = in.y_a + va, yb = in.y_b + vb;
         y[ra] = ya;
         y[rb] = yb;
         if (epi.out) {
-            epi.out[ra] = f32_to_bf16(ya * epi.g_next[ra]);
-            epi.out[rb] = f32_to_bf16(yb * epi.g_next[rb]);
+            epi.out[ra] = f32_to_bf16(ya * in.g_a);
+            epi.out[rb] = f32_to_bf16(yb * in.g_b);
             // The tile's 16 squares over the 8 lanes (g, 0) in a fixed order.
             float ss = ya * ya + yb * yb;
 #pragma unroll
@@ -383,9 +422,13 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     // columns) at gemv_x_slot(p), so that x arrives with the weights instead
     // of from L2 in the loop: under ncu its loads were the largest stall
     // (long scoreboard 2.2-2.5 a issued instruction for QKV and O, halved
-    // this way; BENCHMARKS.md). The other kernels' lanes load up to 8
-    // tokens' x straight into registers.
-    constexpr bool X_SMEM = MODE != FP4_PLAIN;
+    // this way; BENCHMARKS.md). The 8-token kernel stages its 8 token rows
+    // the same way (batch 8: 2,455 -> 2,690 tok/s); the 16-token one, whose
+    // 16 rows would pass the 48 KB of static shared memory, loads x straight
+    // into registers.
+    constexpr int X_ROWS = MODE != FP4_PLAIN ? 1 : NT == 1 ? 8 : 0;
+    constexpr bool X_SMEM = X_ROWS > 0;
+    constexpr int X_ROW = gemv_x_row_bytes<X_ROWS>(), X_STAGE = X_ROWS * X_ROW;
     fp4_fill_scale_table<NV>(shift);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int tok0 = blockIdx.x * NT * 8;
@@ -411,23 +454,32 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     const u32 codes_b = MODE == FP4_NORM_ROPE ? opaque(warp_smem + 64 * fp4_slot(lb) + 16 * t) : codes_a + 512;
     const u32 scales_a = opaque(warp_smem + 1024 + SCALE_ROW * la + (NV ? 2 : 1) * t);
     // X_SMEM: lanes 16-31 copy x's pieces lane - 16 of an item; lane (g, t)
-    // reads pieces 4t .. 4t + 3.
-    const u32 x_warp = gemv_x_stages<X_SMEM>(warp);
-    const u32 x_copy_at = X_SMEM ? opaque(x_warp + 16 * gemv_x_slot(lane & 15)) : 0;
-    const u32 x_read_at = X_SMEM ? opaque(x_warp + 16 * gemv_x_slot(4 * t)) : 0;
+    // reads pieces 4t .. 4t + 3. With 8 rows (the 8-token kernel) lane copies
+    // piece lane % 16 of rows lane / 16 + 2k (k < 4, those under n), and
+    // reads row g (row n - 1 past n: its sums are never stored).
+    const u32 x_warp = gemv_x_stages<X_ROWS>(warp);
+    const u32 x_copy_at = X_SMEM ? opaque(x_warp + 16 * gemv_x_slot(lane & 15) + (X_ROWS > 1 ? (lane >> 4) * X_ROW : 0)) : 0;
+    const u32 x_read_at = X_SMEM ? opaque(x_warp + 16 * gemv_x_slot(4 * t) + (X_ROWS > 1 ? min(g, n - 1) * X_ROW : 0)) : 0;
     const u32 scales_b = scales_a + SCALE_ROW * fp4_b_rows<MODE>();
 
     // The residual's sums of squares: this thread's first one loaded now,
     // used at the end of the block's first tile, so that no one waits for it.
     const int sumsq_count = NORM ? cols / 16 : 0;
     const float sumsq_first = (int)threadIdx.x < sumsq_count ? epi.sumsq_tiles[threadIdx.x] : 0.0f;
+    // NORM_ROPE's one token's cache slot and position, for warp 0's tile ends.
+    u64 rope_slot = 0;
+    int rope_pos = 0;
+    if (MODE == FP4_NORM_ROPE && warp == 0) {
+        rope_slot = (u64)ld_early(epi.rope.slots);
+        rope_pos = ld_early(epi.rope.positions);
+    }
 
     // A tile's end: the warps' partial sums added in a fixed order. Partial
     // sums of alternate tiles in alternate halves, so one barrier a tile
     // suffices (warp 0 reads half tl & 1 before any warp can pass the next
     // tile's barrier and write it again). (Named barriers that kept only warp
     // 0 waiting read the same, BENCHMARKS.md.)
-    auto finish_tile = [&](int tl, int ra, int rb, const float (&acc)[NT][4]) {
+    auto finish_tile = [&](int tl, int ra, int rb, const Fp4TileIn& in, const float (&acc)[NT][4]) {
         const int half = tl & 1;
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
@@ -442,8 +494,9 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
         __syncthreads();
         if (warp != 0) return;
         if constexpr (MODE != FP4_PLAIN) {
-            if (t == 0) fp4_fused_store<MODE>(epi, partial[half], sumsq, lane, ra, rb, y, row_scale, cols,
-                                                          out_pow2);
+            if (t == 0)
+                fp4_fused_store<MODE>(epi, partial[half], sumsq, lane, ra, rb, in, rope_slot, rope_pos, y, cols,
+                                      out_pow2);
         } else {  // the fixed order of the sum keeps it deterministic
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
@@ -452,7 +505,8 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                     float s = 0.0f;
 #pragma unroll
                     for (int w = 0; w < GEMV_WARPS; w++) s += partial[half][w][nt][lane][i];
-                    fp4_store(y, row_scale, s, i < 2 ? ra : rb, nt * 8 + 2 * t + (i & 1), n, rows, out_pow2, accumulate);
+                    fp4_store(y, i < 2 ? in.scale_a : in.scale_b, s, i < 2 ? ra : rb, nt * 8 + 2 * t + (i & 1), n,
+                              rows, out_pow2, accumulate);
                 }
         }
     };
@@ -465,7 +519,11 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     const unsigned char* src_s = scales;
     int issued = 0, tile_left = 0, next_tile = blockIdx.y, write_stage = 0, read_stage = 0;
     const u32 copies_scales = opaque((u32)(lane < ITEM_SCALES / 16));
-    const u32 copies_x = X_SMEM ? opaque((u32)(lane >= 16)) : 0;
+    // (bit k: this lane copies its row lane / 16 + 2k; one row: lanes 16-31)
+    const u32 copies_x = X_ROWS == 1   ? opaque((u32)(lane >= 16))
+                         : X_ROWS > 1 ? opaque((u32)(((lane >> 4) < n) | (((lane >> 4) + 2 < n) << 1) |
+                                                      (((lane >> 4) + 4 < n) << 2) | (((lane >> 4) + 6 < n) << 3)))
+                                      : 0;
     const bf16* src_x = x;
     int x_col_copy = 0;
     // Copies the next item into its stage (and commits a group, an empty one
@@ -477,7 +535,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                 src_c = codes + item * 1024u + 16 * lane;
                 src_s = scales + item * ITEM_SCALES + 16 * lane;
                 x_col_copy = warp * 128 + 8 * (lane & 15);
-                src_x = x + x_col_copy;
+                src_x = x + x_col_copy + (X_ROWS > 1 ? (u64)(lane >> 4) * cols : 0);
                 tile_left = per_tile;
                 next_tile += gridDim.y;
             }
@@ -487,7 +545,11 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
             cp_async_if<16>(copies_scales, at + 1024, src_s);
             if (X_SMEM) {  // x's columns past cols (a partial last chunk) as zeros
                 const bool in = x_col_copy < cols;  // (and a source inside x either way)
-                cp_async16_ca_if(copies_x, x_copy_at + write_stage * GEMV_X_STAGE, in ? src_x : x, in ? 16 : 0);
+                const u32 x_at = x_copy_at + write_stage * X_STAGE;
+#pragma unroll
+                for (int k = 0; k < (X_ROWS > 1 ? 4 : 1); k++)
+                    cp_async16_ca_if(copies_x & (1u << k), x_at + 2 * k * X_ROW, in ? src_x + (u64)2 * k * cols : x,
+                                     in ? 16 : 0);
                 src_x += GEMV_WARPS * 128;
                 x_col_copy += GEMV_WARPS * 128;
             }
@@ -502,18 +564,19 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
 #pragma unroll
     for (int s = 0; s < GEMV_STAGES - 1; s++) issue();
     const int x_col = (warp << 7) + 32 * t;
-    const bf16* x_tok[NT];
-    fp4_x_lanes<NT>(x_tok, x, g, n, cols, x_col);
+    const bf16* x_tok[NT] = {};
+    if constexpr (!X_SMEM) fp4_x_lanes<NT>(x_tok, x, g, n, cols, x_col);
 
     // The tiles, with x's loads bounded where the last chunk is partial.
     auto run = [&](auto whole_chunks) {
         constexpr bool WHOLE = decltype(whole_chunks)::value;
         for (int tl = 0; tl < my_tiles; tl++) {
             const int ra = fp4_tile_row<MODE>((int)blockIdx.y + tl * (int)gridDim.y, g), rb = ra + fp4_b_rows<MODE>();
+            const Fp4TileIn in = warp == 0 ? fp4_tile_in<MODE>(epi, row_scale, y, ra, rb, rows) : Fp4TileIn{};
             float acc[NT][4] = {};
             for (int j = 0, xo = 0; j < per_tile; j++, xo += GEMV_WARPS * 128) {
                 uint4 xv[NT][4];
-                if (X_SMEM) {
+                if constexpr (X_SMEM) {
                     // read from the stage below, once it is in
                 } else if (WHOLE || x_col + xo < cols) {
                     fp4_load_x<NT>(xv, x_tok, xo);
@@ -531,7 +594,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                 const u32 sa = NV ? lds_u16(scales_a + stage) : lds_u8(scales_a + stage);
                 const u32 sb = NV ? lds_u16(scales_b + stage) : lds_u8(scales_b + stage);
                 if (X_SMEM) {
-                    const u32 xs = x_read_at + read_stage * GEMV_X_STAGE;
+                    const u32 xs = x_read_at + read_stage * X_STAGE;
 #pragma unroll
                     for (int i = 0; i < 4; i++) xv[0][i] = lds128(xs + 16 * i);
                 }
@@ -539,7 +602,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                 __syncwarp();  // every lane has read the stage before the next issue refills it
                 fp4_chunk_mma<NV, NT>(acc, wa, wb, sa, sb, xv);
             }
-            finish_tile(tl, ra, rb, acc);
+            finish_tile(tl, ra, rb, in, acc);
         }
     };
     if ((cols & 127) == 0)
@@ -744,7 +807,7 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
         for (int i = 0; i < 4; i++) {
             const int row = i < 2 ? ra : rb, j = tok0 + nt * 8 + 2 * t + (i & 1);
             if (gridDim.z == 1)
-                fp4_store(y, row_scale, acc[nt][i], row, j, n, rows, out_pow2, accumulate);
+                fp4_store(y, row < rows ? row_scale[row] : 0.0f, acc[nt][i], row, j, n, rows, out_pow2, accumulate);
             else if (row < rows && j < n)
                 part[((u64)blockIdx.z * n + j) * rows + row] = acc[nt][i];
         }

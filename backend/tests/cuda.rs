@@ -384,18 +384,33 @@ fn decode_greedy(
 
 #[test]
 fn decode_graphs_give_the_same_tokens_as_direct_launches() {
+    assert_graphs_give_the_same_tokens(WeightFormat::Bf16, Numerics::BatchInvariant, 3);
+}
+
+/// The same for FP4 weights: one sequence on the fused one-token GEMVs
+/// (fast numerics), three on the 8-token GEMV (batch-invariant).
+#[test]
+fn fp4_decode_graphs_give_the_same_tokens_as_direct_launches() {
+    assert_graphs_give_the_same_tokens(WeightFormat::Mxfp4, Numerics::Fast, 1);
+    assert_graphs_give_the_same_tokens(WeightFormat::Nvfp4, Numerics::BatchInvariant, 3);
+}
+
+fn assert_graphs_give_the_same_tokens(format: WeightFormat, numerics: Numerics, seqs: u32) {
     if !gpu_present() {
         return;
     }
     let gpu = Gpu::open(0).unwrap();
     let config = sluice_backend::model::LlamaConfig::preset("llama-3.2-1b").unwrap();
-    let cuda = CudaLlama::synthetic(gpu, config, 11, WeightFormat::Bf16).unwrap();
+    let cuda = CudaLlama::synthetic(gpu, config, 11, format).unwrap();
     let mut ex = CudaExecutor::new(cuda, 256, 16).unwrap();
-    // Three sequences, prompts of different lengths, 40 greedy steps each.
+    ex.set_numerics(numerics);
+    // Prompts of different lengths, 40 greedy steps each.
     let run = |ex: &mut CudaExecutor, graphs: bool| -> Vec<Vec<u32>> {
         ex.set_graphs(graphs);
-        let tables: Vec<Vec<u32>> = (0..3).map(|s| (s * 64..(s + 1) * 64).collect()).collect();
-        let prompts: Vec<Vec<u32>> = (0..3)
+        let tables: Vec<Vec<u32>> = (0..seqs)
+            .map(|s| (s * 64..(s + 1) * 64).collect())
+            .collect();
+        let prompts: Vec<Vec<u32>> = (0..seqs)
             .map(|s| {
                 (0..(50 + 70 * s))
                     .map(|i| (i * 131 + s * 7) as u32 % 128_000)
@@ -407,7 +422,10 @@ fn decode_graphs_give_the_same_tokens_as_direct_launches() {
     };
     let direct = run(&mut ex, false);
     let graphed = run(&mut ex, true);
-    assert_eq!(direct, graphed);
+    assert_eq!(
+        direct, graphed,
+        "{format:?}, {numerics:?}, {seqs} sequences"
+    );
 }
 
 #[test]
