@@ -413,7 +413,7 @@ fn assert_graphs_give_the_same_tokens(format: WeightFormat, numerics: Numerics, 
         let prompts: Vec<Vec<u32>> = (0..seqs)
             .map(|s| {
                 (0..(50 + 70 * s))
-                    .map(|i| (i * 131 + s * 7) as u32 % 128_000)
+                    .map(|i| (i * 131 + s * 7) % 128_000)
                     .collect()
             })
             .collect();
