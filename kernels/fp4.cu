@@ -569,7 +569,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
 
     // The tiles, with x's loads bounded where the last chunk is partial.
     auto run = [&](auto whole_chunks) {
-        constexpr bool WHOLE = decltype(whole_chunks)::value;
+        [[maybe_unused]] constexpr bool WHOLE = decltype(whole_chunks)::value;  // (unused with X_SMEM)
         for (int tl = 0; tl < my_tiles; tl++) {
             const int ra = fp4_tile_row<MODE>((int)blockIdx.y + tl * (int)gridDim.y, g), rb = ra + fp4_b_rows<MODE>();
             const Fp4TileIn in = warp == 0 ? fp4_tile_in<MODE>(epi, row_scale, y, ra, rb, rows) : Fp4TileIn{};
