@@ -615,7 +615,7 @@ async fn attempt(
         r = tokio::time::timeout_at(job.deadline.into(), request) => r,
         () = out.client_gone() => return Attempt::ClientGone,
     };
-    let response = match response {
+    let mut response = match response {
         Err(_) => return Attempt::Broken(timed_out(out)),
         Ok(Err(e)) => return Attempt::Retry(format!("cannot send: {e}"), worker.id),
         Ok(Ok(r)) => r,
@@ -637,7 +637,6 @@ async fn attempt(
         prefill_worker: None,
         relayed: None,
     };
-    let mut body = response;
     let mut pending: Vec<u8> = Vec::new();
     let mut last_token: Option<Instant> = None;
     // The prefill hop's call, from the decode worker's `awaiting_kv` until
@@ -652,7 +651,7 @@ async fn attempt(
             Some(t) => (t + idle).min(job.deadline),
         };
         let chunk = tokio::select! {
-            c = tokio::time::timeout_at(wait_until.into(), body.chunk()) => c,
+            c = tokio::time::timeout_at(wait_until.into(), response.chunk()) => c,
             () = out.client_gone() => return Attempt::ClientGone,
             r = OptionFuture::from(prefill_call.as_mut()), if prefill_call.is_some() => {
                 prefill_call = None;
