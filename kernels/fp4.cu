@@ -30,7 +30,7 @@
 // H200's SMs: 11 warps an SM, 20% of DRAM bandwidth under ncu.) In a chunk
 // lane (g = lane / 4, t = lane % 4) loads 16 bytes (32 codes) of rows g and
 // g + 8 at columns 32t .. 32t + 31, and the same 32 columns of x for token g
-// of each 8-token tile (the fused one-token kernels from shared memory,
+// of each 8-token tile (the 1- and 8-token kernels from shared memory,
 // copied with the chunk: X_SMEM in fp4_gemv). The dot product does not care
 // in which order the columns are summed, so mma step j (of 8) gives the A
 // fragment's columns {2t, 2t+1} and {2t+8, 2t+9} the column pairs 2h and
