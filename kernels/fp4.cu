@@ -625,6 +625,11 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
 // accumulators and x spill, and the 8-token kernel recomputes more).
 #define FP4_GEMV_N8 __launch_bounds__(GEMV_WARPS * 32, 3)
 #define FP4_GEMV_N16 __launch_bounds__(GEMV_WARPS * 32, 3)
+// The norm + SwiGLU kernel (gate/up: 1,792 row tiles for an 8B model, more
+// than the blocks that fit, so a block takes 4 or 5 at 3 an SM, 3 or 4 at 4)
+// fits 64 registers without spilling and runs 4 an SM: batch 1 +1.4-1.7%
+// (BENCHMARKS.md). At 5 (48 registers) it spills and loses 9%.
+#define FP4_GEMV_SWIGLU __launch_bounds__(GEMV_WARPS * 32, 4)
 extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_mx_n8(FP4_ARGS) {
     wait_for_previous_kernels();
     fp4_gemv<false, 1>(FP4_PASS);
@@ -658,11 +663,11 @@ extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_nv_norm_rope_n1(FP4_FUSED_ARGS) 
     wait_for_previous_kernels();
     fp4_gemv<true, 1, FP4_NORM_ROPE>(FP4_PASS, FP4_EPILOGUE);
 }
-extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_mx_norm_swiglu_n1(FP4_FUSED_ARGS) {
+extern "C" __global__ void FP4_GEMV_SWIGLU fp4_gemv_mx_norm_swiglu_n1(FP4_FUSED_ARGS) {
     wait_for_previous_kernels();
     fp4_gemv<false, 1, FP4_NORM_SWIGLU>(FP4_PASS, FP4_EPILOGUE);
 }
-extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_nv_norm_swiglu_n1(FP4_FUSED_ARGS) {
+extern "C" __global__ void FP4_GEMV_SWIGLU fp4_gemv_nv_norm_swiglu_n1(FP4_FUSED_ARGS) {
     wait_for_previous_kernels();
     fp4_gemv<true, 1, FP4_NORM_SWIGLU>(FP4_PASS, FP4_EPILOGUE);
 }
