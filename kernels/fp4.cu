@@ -335,9 +335,9 @@ constexpr int gemv_x_row_bytes() {
 }
 
 // A warp's x stages (shared address) where the kernel copies ROWS token rows
-// of x, else (ROWS = 0) nothing: the other kernels' shared memory stays as it was (16 bytes more
-// of it, moving the stages off their 1 KB alignment, cost them 3-4% at
-// batch 8).
+// of x, else (ROWS = 0) nothing: the other kernels' shared memory stays as it
+// was (16 bytes more of it, moving the stages off their 1 KB alignment, cost
+// them 3-4% at batch 8).
 template <int ROWS>
 __device__ __forceinline__ u32 gemv_x_stages(int warp) {
     if constexpr (ROWS > 0) {
@@ -458,8 +458,10 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     // piece lane % 16 of rows lane / 16 + 2k (k < 4, those under n), and
     // reads row g (row n - 1 past n: its sums are never stored).
     const u32 x_warp = gemv_x_stages<X_ROWS>(warp);
-    const u32 x_copy_at = X_SMEM ? opaque(x_warp + 16 * gemv_x_slot(lane & 15) + (X_ROWS > 1 ? (lane >> 4) * X_ROW : 0)) : 0;
-    const u32 x_read_at = X_SMEM ? opaque(x_warp + 16 * gemv_x_slot(4 * t) + (X_ROWS > 1 ? min(g, n - 1) * X_ROW : 0)) : 0;
+    const u32 x_copy_at =
+        X_SMEM ? opaque(x_warp + 16 * gemv_x_slot(lane & 15) + (X_ROWS > 1 ? (lane >> 4) * X_ROW : 0)) : 0;
+    const u32 x_read_at =
+        X_SMEM ? opaque(x_warp + 16 * gemv_x_slot(4 * t) + (X_ROWS > 1 ? min(g, n - 1) * X_ROW : 0)) : 0;
     const u32 scales_b = scales_a + SCALE_ROW * fp4_b_rows<MODE>();
 
     // The residual's sums of squares: this thread's first one loaded now,
