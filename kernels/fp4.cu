@@ -522,10 +522,10 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     int issued = 0, tile_left = 0, next_tile = blockIdx.y, write_stage = 0, read_stage = 0;
     const u32 copies_scales = opaque((u32)(lane < ITEM_SCALES / 16));
     // (bit k: this lane copies its row lane / 16 + 2k; one row: lanes 16-31)
-    const u32 copies_x = X_ROWS == 1   ? opaque((u32)(lane >= 16))
-                         : X_ROWS > 1 ? opaque((u32)(((lane >> 4) < n) | (((lane >> 4) + 2 < n) << 1) |
-                                                      (((lane >> 4) + 4 < n) << 2) | (((lane >> 4) + 6 < n) << 3)))
-                                      : 0;
+    u32 rows_under_n = 0;
+#pragma unroll
+    for (int k = 0; k < 4; k++) rows_under_n |= (u32)((lane >> 4) + 2 * k < n) << k;
+    const u32 copies_x = X_ROWS == 1 ? opaque((u32)(lane >= 16)) : X_ROWS > 1 ? opaque(rows_under_n) : 0;
     const bf16* src_x = x;
     int x_col_copy = 0;
     // Copies the next item into its stage (and commits a group, an empty one
