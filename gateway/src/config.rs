@@ -65,6 +65,13 @@ pub struct Config {
     /// Folder of `router.wasm`, `admission.wasm`, `cache-policy.wasm` (each
     /// with an optional `<slot>.conf` plugin config), watched for changes.
     pub plugins_dir: Option<PathBuf>,
+    /// Address space reserved for each plugin instance's linear memory, in
+    /// bytes; default: wasmtime's (4 GiB and guard pages, so that the
+    /// compiled plugins need no bounds checks). With 128 instances that is
+    /// ~0.5 TB of reserved (not used) address space, which `ulimit -v` and
+    /// tools such as valgrind refuse; 33554432 (the 32 MiB an instance may
+    /// grow to) reserves that much instead, and the plugins check bounds.
+    pub plugin_memory_reservation: Option<u64>,
     /// Clients' API keys for `/v1`; none = `/v1` is open.
     pub api_keys: Vec<ApiKey>,
     /// The bearer token of `/admin`; none = a random one, logged at start.
@@ -293,6 +300,7 @@ impl Default for Config {
             numerics: "batch-invariant".into(),
             block_size: 16,
             plugins_dir: None,
+            plugin_memory_reservation: None,
             api_keys: Vec::new(),
             admin_token: None,
             limits: Limits::default(),

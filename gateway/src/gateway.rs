@@ -69,11 +69,9 @@ pub struct Policies {
 }
 
 impl Policies {
-    pub fn new() -> Result<Self, StartError> {
-        let runtime = Arc::new(
-            Runtime::new(HostConfig::default())
-                .map_err(|e| StartError::Runtime(format!("{e:#}")))?,
-        );
+    pub fn new(host: HostConfig) -> Result<Self, StartError> {
+        let runtime =
+            Arc::new(Runtime::new(host).map_err(|e| StartError::Runtime(format!("{e:#}")))?);
         Ok(Self {
             router: WasmRouter::new(Arc::new(Slot::new(runtime.clone()))),
             admission: WasmAdmission::new(Arc::new(Slot::new(runtime.clone()))),
@@ -170,7 +168,10 @@ impl Gateway {
             max_blocks: config.routing.approximate_max_blocks as usize,
         };
         let fleet = Arc::new(fleet);
-        let policies = Policies::new()?;
+        let policies = Policies::new(HostConfig {
+            memory_reservation: config.plugin_memory_reservation,
+            ..HostConfig::default()
+        })?;
         if let Some(dir) = &config.plugins_dir {
             crate::admin::load_plugins_dir(&policies, dir)?;
         }

@@ -547,3 +547,45 @@ fn lru_priority_cache_through_wasm() {
     assert!(scores[0] > scores[1] && scores[0] > scores[2], "{scores:?}");
     assert_eq!(slot.shared().stats.total_fallbacks(), 0);
 }
+
+/// With each plugin memory's reservation cut to what an instance may grow
+/// to (`plugin_memory_reservation`: the compiled code checks bounds instead
+/// of leaning on 4 GiB of reserved address space and guards), plugins answer
+/// as with the default, and a memory bomb still stops at the limit.
+#[test]
+fn a_small_memory_reservation_changes_no_answer() {
+    let runtime = Arc::new(
+        Runtime::new(HostConfig {
+            memory_reservation: Some(32 << 20),
+            ..HostConfig::default()
+        })
+        .expect("plugin runtime"),
+    );
+    let slot = Arc::new(Slot::<Router>::new(runtime.clone()));
+    slot.load("kv-aware", &plugin_wasm("kv-aware"), "")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let router = WasmRouter::new(slot);
+    let native = KvAwareRouter::default();
+    for seed in 0..100 {
+        let f = fleet(1 + (seed as usize % 70), seed);
+        let r = request(8 + (seed as u32 % 60));
+        let (decision, answered_by) = router.route_traced(&r, &f);
+        assert_eq!(answered_by, Some(1), "the plugin answered (seed {seed})");
+        assert_eq!(decision, native.route(&r, &f), "seed {seed}");
+    }
+    let slot = Arc::new(Slot::<Router>::new(runtime));
+    slot.load("hostile", &plugin_wasm("hostile"), "mode=membomb, worker=2")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let router = WasmRouter::new(slot);
+    let mut bomb = request(30);
+    bomb.priority = 666;
+    let (_, version) = router.route_traced(&bomb, &fleet(6, 11));
+    assert_eq!(version, None, "the built-in policy answered");
+    let stats = &router.slot().shared().stats;
+    assert_eq!(
+        stats.fallbacks(ErrorClass::Memory),
+        1,
+        "{:?}",
+        router.slot().status()
+    );
+}

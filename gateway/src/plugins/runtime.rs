@@ -30,6 +30,10 @@ pub struct HostConfig {
     pub init_fuel: u64,
     /// Linear memory one plugin instance may grow to, in bytes.
     pub max_memory_bytes: usize,
+    /// Address space reserved for each instance's linear memory (at least
+    /// `max_memory_bytes`); None: wasmtime's default, 4 GiB and guards, so
+    /// that compiled code needs no bounds checks (`Config::plugin_memory_reservation`).
+    pub memory_reservation: Option<u64>,
     /// Idle instances kept per plugin version, ready for calls.
     pub max_idle_instances: usize,
     /// Instances (of all plugins and versions) that may exist at once.
@@ -53,6 +57,7 @@ impl Default for HostConfig {
             call_fuel: 10_000_000,
             init_fuel: 1_000_000_000,
             max_memory_bytes: 32 << 20,
+            memory_reservation: None,
             max_idle_instances: 64,
             max_instances: 128,
             log_lines_per_sec: 20.0,
@@ -100,6 +105,13 @@ impl Runtime {
             .cranelift_opt_level(OptLevel::Speed)
             .max_wasm_stack(512 << 10)
             .allocation_strategy(InstanceAllocationStrategy::Pooling(pooling));
+        if let Some(bytes) = config.memory_reservation {
+            // Bounds checked, then: no guard region needed past it (the
+            // default's guard lets offsets skip their checks).
+            wasm.memory_reservation(bytes.max(config.max_memory_bytes as u64))
+                .memory_guard_size(0)
+                .memory_reservation_for_growth(0);
+        }
         let engine = Engine::new(&wasm)?;
         let mut linker = Linker::new(&engine);
         link_host_imports(&mut linker)?;
