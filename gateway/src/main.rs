@@ -24,6 +24,13 @@ use sluice_gateway::config::{ProcessEnv, WorkerEntry, WorkerKind, WorkerSpec};
 use sluice_gateway::plugins::{Admission, Cache, HostConfig, PluginKind, Router, Runtime, Slot};
 use sluice_gateway::{Config, Gateway};
 
+/// mimalloc instead of glibc's malloc. A gateway request allocates and
+/// frees a few hundred small buffers (JSON, token ids, events, HTTP heads):
+/// under callgrind, glibc's malloc and free took ~21% of the gateway's
+/// instructions a request (BENCHMARKS.md, "Gateway overhead").
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "sluice",
