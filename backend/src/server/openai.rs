@@ -517,29 +517,31 @@ impl Frontend {
             }
             Kind::Completion => self.completion_logprobs(&done.tokens),
         });
-        let (object, choice) = match reply.kind {
+        let (object, message, text) = match reply.kind {
             Kind::Chat => (
                 "chat.completion",
-                json!({
-                    "index": 0,
-                    "message": {"role": "assistant", "content": done.text},
-                    "logprobs": logprobs,
-                    "finish_reason": finish_str(done.reason),
+                Some(AnswerMessage {
+                    role: "assistant",
+                    content: &done.text,
                 }),
+                None,
             ),
-            Kind::Completion => (
-                "text_completion",
-                json!({"index": 0, "text": done.text, "logprobs": logprobs, "finish_reason": finish_str(done.reason)}),
-            ),
+            Kind::Completion => ("text_completion", None, Some(done.text.as_str())),
         };
-        Ok(Json(json!({
-            "id": id,
-            "object": object,
-            "created": now_secs(),
-            "model": self.model_name,
-            "choices": [choice],
-            "usage": usage_json(&done.usage),
-        }))
+        Ok(Json(Answer {
+            id: &id,
+            object,
+            created: now_secs(),
+            model: &self.model_name,
+            choices: [AnswerChoice {
+                index: 0,
+                message,
+                text,
+                logprobs,
+                finish_reason: finish_str(done.reason),
+            }],
+            usage: UsageOut::from(&done.usage),
+        })
         .into_response())
     }
 
@@ -659,6 +661,63 @@ struct ChunkWriter {
     created: u64,
 }
 
+/// A whole (non-streaming) answer as OpenAI shapes it, serialized straight
+/// into the body (no `Value` tree).
+#[derive(serde::Serialize)]
+struct Answer<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: [AnswerChoice<'a>; 1],
+    usage: UsageOut,
+}
+
+/// The answer's choice: a chat message, or a completion's text.
+#[derive(serde::Serialize)]
+struct AnswerChoice<'a> {
+    index: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    message: Option<AnswerMessage<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<&'a str>,
+    logprobs: Option<Value>,
+    finish_reason: &'static str,
+}
+
+#[derive(serde::Serialize)]
+struct AnswerMessage<'a> {
+    role: &'static str,
+    content: &'a str,
+}
+
+/// `usage` as OpenAI shapes it.
+#[derive(serde::Serialize)]
+struct UsageOut {
+    prompt_tokens: u32,
+    completion_tokens: u32,
+    total_tokens: u32,
+    prompt_tokens_details: CachedTokens,
+}
+
+#[derive(serde::Serialize)]
+struct CachedTokens {
+    cached_tokens: u32,
+}
+
+impl From<&Usage> for UsageOut {
+    fn from(u: &Usage) -> Self {
+        UsageOut {
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            total_tokens: u.prompt_tokens + u.completion_tokens,
+            prompt_tokens_details: CachedTokens {
+                cached_tokens: u.cached_tokens,
+            },
+        }
+    }
+}
+
 /// One streamed chunk as OpenAI shapes it, serialized straight into the
 /// answer's bytes (no `Value` tree per token).
 #[derive(serde::Serialize)]
@@ -669,7 +728,7 @@ struct Chunk<'a, C> {
     model: &'a str,
     choices: C,
     #[serde(skip_serializing_if = "Option::is_none")]
-    usage: Option<Value>,
+    usage: Option<UsageOut>,
 }
 
 /// A chunk's choice: a chat delta, or a completion's text.
@@ -749,7 +808,7 @@ impl ChunkWriter {
                 let last = choice(&text, None, Some(finish_str(reason)));
                 self.write_chunk(out, [last], None);
                 if self.reply.include_usage {
-                    self.write_chunk(out, [(); 0], Some(usage_json(&usage)));
+                    self.write_chunk(out, [(); 0], Some(UsageOut::from(&usage)));
                 }
                 out.extend_from_slice(b"data: [DONE]\n\n");
             }
@@ -763,7 +822,12 @@ impl ChunkWriter {
     }
 
     /// Appends one `data:` line holding a chunk with `choices`.
-    fn write_chunk(&self, out: &mut Vec<u8>, choices: impl serde::Serialize, usage: Option<Value>) {
+    fn write_chunk(
+        &self,
+        out: &mut Vec<u8>,
+        choices: impl serde::Serialize,
+        usage: Option<UsageOut>,
+    ) {
         let chunk = Chunk {
             id: &self.id,
             object: match self.reply.kind {
@@ -806,15 +870,6 @@ fn content_text(content: &Option<Content>) -> Result<String, ApiError> {
             .collect::<Result<Vec<_>, _>>()
             .map(|t| t.concat()),
     }
-}
-
-fn usage_json(u: &Usage) -> Value {
-    json!({
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-    })
 }
 
 fn finish_str(reason: FinishReason) -> &'static str {

@@ -20,6 +20,7 @@
 //! retry rule holds: until the first byte reaches the client.
 
 pub mod conn;
+mod lines;
 pub mod passthrough;
 
 use std::pin::Pin;
@@ -637,7 +638,7 @@ async fn attempt(
         prefill_worker: None,
         relayed: None,
     };
-    let mut pending: Vec<u8> = Vec::new();
+    let mut lines = lines::Lines::default();
     let mut last_token: Option<Instant> = None;
     // The prefill hop's call, from the decode worker's `awaiting_kv` until
     // the prefill worker answers; the head waits for it (its cached blocks).
@@ -689,10 +690,9 @@ async fn attempt(
             Ok(Some(Err(e))) => return lost(out, worker, format!("its stream broke: {e}")),
             Ok(Some(Ok(c))) => c,
         };
-        pending.extend_from_slice(&chunk);
-        while let Some(end) = pending.iter().position(|&b| b == b'\n') {
-            let line: Vec<u8> = pending.drain(..=end).collect();
-            let event: GenerateEvent = match serde_json::from_slice(&line[..line.len() - 1]) {
+        lines.push(&chunk);
+        while let Some(line) = lines.next_line() {
+            let event: GenerateEvent = match serde_json::from_slice(line) {
                 Ok(e) => e,
                 Err(e) => return lost(out, worker, format!("bad event: {e}")),
             };
