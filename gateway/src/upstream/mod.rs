@@ -692,9 +692,13 @@ async fn attempt(
         };
         lines.push(&chunk);
         while let Some(line) = lines.next_line() {
-            let event: GenerateEvent = match serde_json::from_slice(line) {
-                Ok(e) => e,
-                Err(e) => return lost(out, worker, format!("bad event: {e}")),
+            // (UTF-8 checked once a line, not once a string as `from_slice` does.)
+            let event: GenerateEvent = match std::str::from_utf8(line) {
+                Ok(line) => match serde_json::from_str(line) {
+                    Ok(e) => e,
+                    Err(e) => return lost(out, worker, format!("bad event: {e}")),
+                },
+                Err(e) => return lost(out, worker, format!("bad event: not UTF-8 ({e})")),
             };
             match &event {
                 GenerateEvent::Started { cached_tokens, .. } => {
