@@ -196,9 +196,8 @@ async fn drain(mut body: axum::body::Body) {
 pub fn from_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     // UTF-8 checked once for the whole body: `from_slice` checks each string
     // on its own, which costs more on bodies of many short strings.
-    let text = std::str::from_utf8(bytes).map_err(|e| {
-        ApiError::invalid(format!("invalid request body: not UTF-8 ({e})"), None)
-    })?;
+    let text = std::str::from_utf8(bytes)
+        .map_err(|e| ApiError::invalid(format!("invalid request body: not UTF-8 ({e})"), None))?;
     serde_json::from_str(text)
         .map_err(|e| ApiError::invalid(format!("invalid request body: {e}"), None))
 }
@@ -533,7 +532,7 @@ impl Frontend {
             ),
             Kind::Completion => ("text_completion", None, Some(done.text.as_str())),
         };
-        Ok(Json(Answer {
+        Ok(Json(Envelope {
             id: &id,
             object,
             created: now_secs(),
@@ -545,7 +544,7 @@ impl Frontend {
                 logprobs,
                 finish_reason: finish_str(done.reason),
             }],
-            usage: UsageOut::from(&done.usage),
+            usage: Some(UsageOut::from(&done.usage)),
         })
         .into_response())
     }
@@ -666,19 +665,8 @@ struct ChunkWriter {
     created: u64,
 }
 
-/// A whole (non-streaming) answer as OpenAI shapes it, serialized straight
-/// into the body (no `Value` tree).
-#[derive(serde::Serialize)]
-struct Answer<'a> {
-    id: &'a str,
-    object: &'static str,
-    created: u64,
-    model: &'a str,
-    choices: [AnswerChoice<'a>; 1],
-    usage: UsageOut,
-}
-
-/// The answer's choice: a chat message, or a completion's text.
+/// A whole (non-streaming) answer's choice: a chat message, or a
+/// completion's text.
 #[derive(serde::Serialize)]
 struct AnswerChoice<'a> {
     index: u32,
@@ -723,10 +711,11 @@ impl From<&Usage> for UsageOut {
     }
 }
 
-/// One streamed chunk as OpenAI shapes it, serialized straight into the
-/// answer's bytes (no `Value` tree per token).
+/// A whole answer (`choices` one AnswerChoice) or one streamed chunk
+/// (ChunkChoices) as OpenAI shapes it, serialized straight into the body
+/// (no `Value` tree per answer or token).
 #[derive(serde::Serialize)]
-struct Chunk<'a, C> {
+struct Envelope<'a, C> {
     id: &'a str,
     object: &'static str,
     created: u64,
@@ -833,7 +822,7 @@ impl ChunkWriter {
         choices: impl serde::Serialize,
         usage: Option<UsageOut>,
     ) {
-        let chunk = Chunk {
+        let chunk = Envelope {
             id: &self.id,
             object: match self.reply.kind {
                 Kind::Chat => "chat.completion.chunk",
