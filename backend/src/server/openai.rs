@@ -524,8 +524,8 @@ impl Frontend {
         let (object, message, text) = match reply.kind {
             Kind::Chat => (
                 "chat.completion",
-                Some(AnswerMessage {
-                    role: "assistant",
+                Some(MessageOut {
+                    role: Some("assistant"),
                     content: &done.text,
                 }),
                 None,
@@ -537,12 +537,13 @@ impl Frontend {
             object,
             created: now_secs(),
             model: &self.model_name,
-            choices: [AnswerChoice {
+            choices: [Choice {
                 index: 0,
                 message,
+                delta: None,
                 text,
                 logprobs,
-                finish_reason: finish_str(done.reason),
+                finish_reason: Some(finish_str(done.reason)),
             }],
             usage: Some(UsageOut::from(&done.usage)),
         })
@@ -665,25 +666,6 @@ struct ChunkWriter {
     created: u64,
 }
 
-/// A whole (non-streaming) answer's choice: a chat message, or a
-/// completion's text.
-#[derive(serde::Serialize)]
-struct AnswerChoice<'a> {
-    index: u32,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    message: Option<AnswerMessage<'a>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    text: Option<&'a str>,
-    logprobs: Option<Value>,
-    finish_reason: &'static str,
-}
-
-#[derive(serde::Serialize)]
-struct AnswerMessage<'a> {
-    role: &'static str,
-    content: &'a str,
-}
-
 /// `usage` as OpenAI shapes it.
 #[derive(serde::Serialize)]
 struct UsageOut {
@@ -711,9 +693,8 @@ impl From<&Usage> for UsageOut {
     }
 }
 
-/// A whole answer (`choices` one AnswerChoice) or one streamed chunk
-/// (ChunkChoices) as OpenAI shapes it, serialized straight into the body
-/// (no `Value` tree per answer or token).
+/// A whole answer or one streamed chunk as OpenAI shapes it, serialized
+/// straight into the body (no `Value` tree per answer or token).
 #[derive(serde::Serialize)]
 struct Envelope<'a, C> {
     id: &'a str,
@@ -725,20 +706,25 @@ struct Envelope<'a, C> {
     usage: Option<UsageOut>,
 }
 
-/// A chunk's choice: a chat delta, or a completion's text.
+/// A choice: a whole answer's chat `message` (with its finish reason), a
+/// streamed chunk's chat `delta` (finish reason null until the last), or a
+/// completion's text.
 #[derive(serde::Serialize)]
-struct ChunkChoice<'a> {
+struct Choice<'a> {
     index: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
-    delta: Option<Delta<'a>>,
+    message: Option<MessageOut<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    delta: Option<MessageOut<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     text: Option<&'a str>,
     logprobs: Option<Value>,
     finish_reason: Option<&'static str>,
 }
 
+/// A chat message or delta: its role only where one is given.
 #[derive(serde::Serialize)]
-struct Delta<'a> {
+struct MessageOut<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     role: Option<&'static str>,
     content: &'a str,
@@ -752,7 +738,7 @@ impl ChunkWriter {
         let choice = |content, logprobs, finish_reason| {
             let (delta, text) = match kind {
                 Kind::Chat => (
-                    Some(Delta {
+                    Some(MessageOut {
                         role: None,
                         content,
                     }),
@@ -760,8 +746,9 @@ impl ChunkWriter {
                 ),
                 Kind::Completion => (None, Some(content)),
             };
-            ChunkChoice {
+            Choice {
                 index: 0,
+                message: None,
                 delta,
                 text,
                 logprobs,
@@ -774,8 +761,8 @@ impl ChunkWriter {
             GenerateEvent::AwaitingKv { .. } => {}
             GenerateEvent::Started { .. } => {
                 if kind == Kind::Chat {
-                    let opening = ChunkChoice {
-                        delta: Some(Delta {
+                    let opening = Choice {
+                        delta: Some(MessageOut {
                             role: Some("assistant"),
                             content: "",
                         }),
