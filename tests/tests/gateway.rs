@@ -39,7 +39,8 @@ fn check_usage(usage: &Value, max_tokens: u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_and_completions_streaming_and_not() {
-    let cluster = Cluster::start(2, |_| {}).await;
+    // One server thread: one pool of worker connections.
+    let cluster = Cluster::start(2, |config| config.threads = 1).await;
     let messages = [("user", "Name three colors.")];
 
     // Chat, not streaming.
@@ -154,6 +155,15 @@ async fn chat_and_completions_streaming_and_not() {
         .metric("sluice_requests_total{outcome=\"success\"}")
         .await;
     assert!(successes >= 7.0, "{successes} successes counted");
+    // The answers were read to their ends and their connections kept: the
+    // nine requests that reached a worker did not each open one (at most a
+    // connection per worker, and one more where a request came before the
+    // last answer's end was read).
+    let opened = cluster.metric("sluice_worker_connections_total").await;
+    assert!(
+        (1.0..=4.0).contains(&opened),
+        "{opened} worker connections opened for 9 requests"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

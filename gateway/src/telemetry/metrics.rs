@@ -1,6 +1,7 @@
 //! The gateway's Prometheus metrics (prometheus-client, OpenMetrics text):
 //! requests by outcome, TTFT, inter-token and end-to-end latency, routing per
-//! worker, KV hits, and the plugin slots' calls, latency and errors.
+//! worker, connections opened to workers, KV hits, and the plugin slots'
+//! calls, latency and errors.
 
 use std::fmt::Write as _;
 
@@ -49,6 +50,7 @@ pub struct Metrics {
     e2e: Histogram,
     routed: Family<WorkerLabels, Counter>,
     retries: Counter,
+    worker_connections: Counter,
     prompt_blocks: Counter,
     cached_prompt_blocks: Counter,
 }
@@ -79,6 +81,12 @@ impl Metrics {
             "Requests retried on another worker",
             retries.clone(),
         );
+        let worker_connections = Counter::default();
+        registry.register(
+            "worker_connections",
+            "Connections opened to workers for requests (kept alive and reused after)",
+            worker_connections.clone(),
+        );
         let prompt_blocks = Counter::default();
         registry.register(
             "prompt_blocks",
@@ -99,6 +107,7 @@ impl Metrics {
             e2e,
             routed,
             retries,
+            worker_connections,
             prompt_blocks,
             cached_prompt_blocks,
         }
@@ -131,6 +140,10 @@ impl Metrics {
 
     pub fn retried(&self) {
         self.retries.inc();
+    }
+
+    pub fn worker_connection_opened(&self) {
+        self.worker_connections.inc();
     }
 
     /// A request started on a worker that had `cached` of its `blocks`.

@@ -10,11 +10,13 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
+use hyper::body::{Body, Incoming};
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper::header::{CONTENT_TYPE, HOST, HeaderValue};
 use hyper::{Request, StatusCode};
@@ -24,6 +26,13 @@ type Sender = SendRequest<Full<Bytes>>;
 
 /// Idle connections kept per worker address and thread.
 const IDLE_PER_WORKER: usize = 64;
+
+/// How long [`Answer::release`] waits for a body's end after its last event.
+const RELEASE_WAIT: Duration = Duration::from_secs(1);
+
+/// How much [`Answer::release`] reads past the last event before giving up on
+/// a connection.
+const RELEASE_LIMIT: usize = 64 << 10;
 
 thread_local! {
     static IDLE: RefCell<HashMap<String, Vec<Sender>>> = RefCell::new(HashMap::new());
@@ -67,6 +76,8 @@ pub struct Answer {
     body: Incoming,
     /// The connection, back to the pool at the body's end.
     sender: Option<(String, Sender)>,
+    /// Whether the request needed a new connection (none idle was usable).
+    new_connection: bool,
 }
 
 impl std::fmt::Debug for Answer {
@@ -80,6 +91,11 @@ impl std::fmt::Debug for Answer {
 impl Answer {
     pub fn status(&self) -> StatusCode {
         self.status
+    }
+
+    /// Whether this request opened a new connection to the worker.
+    pub fn new_connection(&self) -> bool {
+        self.new_connection
     }
 
     /// The body's next bytes; `None` at its end (the connection then goes
@@ -117,6 +133,30 @@ impl Answer {
         Ok(out)
     }
 
+    /// The worker has sent everything it will (its last event came): what
+    /// follows is the body's end. The connection goes back to this thread's
+    /// pool once that end is read: now, when it came with the last event,
+    /// else from a task that waits for it (at most [`RELEASE_WAIT`], reading
+    /// at most [`RELEASE_LIMIT`] bytes) and closes the connection if it does
+    /// not come. Dropping the answer instead would close a connection that
+    /// could serve the next request, and cost a new TCP connection each time.
+    pub fn release(mut self) {
+        let mut cx = Context::from_waker(Waker::noop());
+        match Pin::new(&mut self.body).poll_frame(&mut cx) {
+            Poll::Ready(None) => self.finished(),
+            // A broken connection: dropped, so closed.
+            Poll::Ready(Some(Err(_))) => {}
+            Poll::Ready(Some(Ok(_))) | Poll::Pending => {
+                tokio::spawn(async move {
+                    let drained = tokio::time::timeout(RELEASE_WAIT, self.bytes(RELEASE_LIMIT));
+                    if let Ok(Err(why)) = drained.await {
+                        tracing::debug!(error = %why, "worker answer went on after its last event");
+                    }
+                });
+            }
+        }
+    }
+
     fn finished(&mut self) {
         if let Some((key, sender)) = self.sender.take() {
             put_idle(key, sender);
@@ -149,7 +189,7 @@ pub async fn post_json(
         && sender.ready().await.is_ok()
     {
         match sender.send_request(request(body.clone())?).await {
-            Ok(response) => return Ok(answer(authority, sender, response)),
+            Ok(response) => return Ok(answer(authority, sender, response, false)),
             Err(e) if e.is_canceled() || e.is_closed() || e.is_incomplete_message() => {}
             Err(e) => return Err(e.into()),
         }
@@ -157,15 +197,21 @@ pub async fn post_json(
     let mut sender = connect(authority, connect_timeout).await?;
     sender.ready().await?;
     let response = sender.send_request(request(body)?).await?;
-    Ok(answer(authority, sender, response))
+    Ok(answer(authority, sender, response, true))
 }
 
-fn answer(authority: &str, sender: Sender, response: hyper::Response<Incoming>) -> Answer {
+fn answer(
+    authority: &str,
+    sender: Sender,
+    response: hyper::Response<Incoming>,
+    new_connection: bool,
+) -> Answer {
     let (parts, body) = response.into_parts();
     Answer {
         status: parts.status,
         body,
         sender: Some((authority.to_string(), sender)),
+        new_connection,
     }
 }
 
@@ -312,6 +358,86 @@ mod tests {
         drop(answer);
         let answer = ask(&addr).await;
         assert_eq!(answer.bytes(1 << 10).await.unwrap(), b"{\"ok\":1}");
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
+
+    /// A server answering each request with a chunked body: `event`, then
+    /// the body's end (in the same write with `end_after` zero, else that
+    /// long after); counts the connections it accepted.
+    async fn chunked_server(
+        event: &'static str,
+        end_after: Duration,
+    ) -> (String, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            loop {
+                let (mut socket, _) = listener.accept().await.unwrap();
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 4096];
+                    loop {
+                        // Requests here are small: one read holds one.
+                        match socket.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(_) => {}
+                        }
+                        let head = format!(
+                            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{event}\r\n",
+                            event.len()
+                        );
+                        if end_after.is_zero() {
+                            let whole = format!("{head}0\r\n\r\n");
+                            socket.write_all(whole.as_bytes()).await.unwrap();
+                            continue;
+                        }
+                        socket.write_all(head.as_bytes()).await.unwrap();
+                        tokio::time::sleep(end_after).await;
+                        socket.write_all(b"0\r\n\r\n").await.unwrap();
+                    }
+                });
+            }
+        });
+        (addr, accepted)
+    }
+
+    /// Reads an answer's first chunk (the whole event), then releases it.
+    async fn ask_and_release(addr: &str) {
+        let mut answer = ask(addr).await;
+        let chunk = answer.chunk().await.unwrap().unwrap();
+        assert_eq!(&chunk[..], b"{\"event\":\"finished\"}\n");
+        answer.release();
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_released_answer_leaves_its_connection_for_the_next_request() {
+        // The end comes with the last event, or 50 ms after it (read by a
+        // task then).
+        for end_after in [Duration::ZERO, Duration::from_millis(50)] {
+            let (addr, accepted) = chunked_server("{\"event\":\"finished\"}\n", end_after).await;
+            for _ in 0..3 {
+                ask_and_release(&addr).await;
+                // Time for the end to come and the connection to go back.
+                tokio::time::sleep(end_after * 2 + Duration::from_millis(10)).await;
+            }
+            assert_eq!(
+                accepted.load(Ordering::SeqCst),
+                1,
+                "end after {end_after:?}"
+            );
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_released_answer_whose_end_never_comes_closes_its_connection() {
+        let (addr, accepted) = chunked_server("{\"event\":\"finished\"}\n", RELEASE_WAIT * 3).await;
+        ask_and_release(&addr).await;
+        tokio::time::sleep(RELEASE_WAIT + Duration::from_millis(200)).await;
+        // Not back in the pool: the next request needs a new connection,
+        // and gets its answer.
+        ask_and_release(&addr).await;
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
     }
 

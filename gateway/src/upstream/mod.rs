@@ -621,6 +621,9 @@ async fn attempt(
         Ok(Err(e)) => return Attempt::Retry(format!("cannot send: {e}"), worker.id),
         Ok(Ok(r)) => r,
     };
+    if response.new_connection() {
+        gateway.metrics.worker_connection_opened();
+    }
     let status = response.status();
     if !status.is_success() && !refused_by_worker(status.as_u16()) {
         // Unavailable, overloaded, or not a worker at that URL: another may do.
@@ -779,6 +782,7 @@ async fn attempt(
                     if let Some(cached) = prefill_cached {
                         usage.cached_tokens = cached;
                     }
+                    response.release();
                     // Sent after the request is counted (see `Output::close`).
                     out.last = Some(Last::Finished(
                         head,
@@ -790,9 +794,12 @@ async fn attempt(
                     ));
                     return Attempt::Finished(usage);
                 }
+                // The worker's stream ends with its error: the connection
+                // can serve another request.
                 GenerateEvent::Error { message, status }
                     if !out.started() && !status.is_none_or(refused_by_worker) =>
                 {
+                    response.release();
                     // During a transfer, the decode worker's failure is the
                     // transfer's: the prefill worker is the one excluded.
                     let failed = match (&route.prefill, &prefill_call) {
@@ -802,6 +809,7 @@ async fn attempt(
                     return Attempt::Retry(format!("it failed the request: {message}"), failed);
                 }
                 GenerateEvent::Error { message, status } if !out.started() => {
+                    response.release();
                     return Attempt::Refused(ApiError::with_code(
                         status,
                         axum::http::StatusCode::BAD_REQUEST,
@@ -809,6 +817,7 @@ async fn attempt(
                     ));
                 }
                 GenerateEvent::Error { message, status } => {
+                    response.release();
                     out.fail(ApiError::with_code(
                         status,
                         axum::http::StatusCode::BAD_GATEWAY,
@@ -868,6 +877,9 @@ async fn call_prefill(
             .await
             .map_err(|_| "timed out".to_string())?
             .map_err(|e| format!("cannot send: {e}"))?;
+        if response.new_connection() {
+            gateway.metrics.worker_connection_opened();
+        }
         if !response.status().is_success() {
             return Err(error_answer(job, response).await.message);
         }
