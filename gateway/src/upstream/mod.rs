@@ -697,7 +697,7 @@ async fn attempt(
         while let Some(line) = lines.next_line() {
             // (UTF-8 checked once a line, not once a string as `from_slice` does.)
             let event: GenerateEvent = match std::str::from_utf8(line) {
-                Ok(line) => match serde_json::from_str(line) {
+                Ok(line) => match GenerateEvent::from_line(line) {
                     Ok(e) => e,
                     Err(e) => return lost(out, worker, format!("bad event: {e}")),
                 },
