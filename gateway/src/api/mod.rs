@@ -4,6 +4,7 @@
 
 mod auth;
 mod server;
+mod timer_floor;
 mod v1;
 
 pub use server::{ServerThreads, start as start_server_threads, thread_client};

@@ -102,6 +102,7 @@ async fn handle(
     body: axum::body::Body,
 ) -> Response {
     let arrived = Instant::now();
+    super::timer_floor::request_arrived();
     let mut trace =
         TraceContext::from_header(headers.get("traceparent").and_then(|v| v.to_str().ok()));
     let name = match kind {
