@@ -82,6 +82,8 @@ pub struct TokenOut {
     pub text: String,
     pub logprob: f32,
     /// Alternatives, most likely first: (token id, token text, logprob).
+    /// Left out of the wire when empty (most requests ask for none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub top: Vec<(u32, String, f32)>,
 }
 
@@ -217,7 +219,7 @@ mod wire {
                     id: need(self.id, "id")?,
                     text: need(self.text, "text")?,
                     logprob: need(self.logprob, "logprob")?,
-                    top: need(self.top, "top")?,
+                    top: self.top.unwrap_or_default(),
                 }),
                 Tag::Finished => GenerateEvent::Finished {
                     reason: need(self.reason, "reason")?,
@@ -283,21 +285,45 @@ mod generate_event_tests {
             assert_eq!(GenerateEvent::from_line(&json).unwrap(), event, "{json}");
         }
         // A token line read by `from_line`'s shortcut: fields in any order
-        // after the tag, and refused without one of them, as by the
-        // general reader.
-        let line = r#"{"event":"token","top":[],"logprob":-1.5,"text":"x","id":9}"#;
-        assert!(line.starts_with(r#"{"event":"token","#));
+        // after the tag, `top` optional (written only when not empty), and
+        // refused without one of the others, as by the general reader.
+        let token = |top| {
+            GenerateEvent::Token(TokenOut {
+                id: 9,
+                text: "x".into(),
+                logprob: -1.5,
+                top,
+            })
+        };
+        let top = vec![(3, "y".to_string(), -2.0)];
         assert_eq!(
-            GenerateEvent::from_line(line).unwrap(),
-            serde_json::from_str::<GenerateEvent>(line).unwrap()
+            serde_json::to_string(&token(vec![])).unwrap(),
+            r#"{"event":"token","id":9,"text":"x","logprob":-1.5}"#
         );
-        for field in ["id", "text", "logprob", "top"] {
-            let mut fields = vec![
-                r#""id":9"#,
-                r#""text":"x""#,
-                r#""logprob":-1.5"#,
-                r#""top":[]"#,
-            ];
+        for (line, expected) in [
+            (
+                r#"{"event":"token","top":[[3,"y",-2.0]],"logprob":-1.5,"text":"x","id":9}"#,
+                token(top),
+            ),
+            (
+                r#"{"event":"token","top":[],"logprob":-1.5,"text":"x","id":9}"#,
+                token(vec![]),
+            ),
+            (
+                r#"{"event":"token","logprob":-1.5,"text":"x","id":9}"#,
+                token(vec![]),
+            ),
+        ] {
+            assert!(line.starts_with(r#"{"event":"token","#));
+            assert_eq!(GenerateEvent::from_line(line).unwrap(), expected, "{line}");
+            assert_eq!(
+                serde_json::from_str::<GenerateEvent>(line).unwrap(),
+                expected,
+                "{line}"
+            );
+        }
+        for field in ["id", "text", "logprob"] {
+            let mut fields = vec![r#""id":9"#, r#""text":"x""#, r#""logprob":-1.5"#];
             fields.retain(|f| !f.starts_with(&format!("\"{field}\"")));
             let line = format!(r#"{{"event":"token",{}}}"#, fields.join(","));
             let err = GenerateEvent::from_line(&line).unwrap_err();
@@ -311,10 +337,7 @@ mod generate_event_tests {
         assert!(matches!(e, GenerateEvent::AwaitingKv { addr, .. } if addr.is_empty()));
         for (json, missing) in [
             (r#"{"event":"started","prompt_tokens":3}"#, "cached_tokens"),
-            (
-                r#"{"event":"token","id":1,"text":"a","logprob":0.0}"#,
-                "top",
-            ),
+            (r#"{"event":"token","id":1,"text":"a"}"#, "logprob"),
             (r#"{"event":"finished","reason":"stop","text":""}"#, "usage"),
             (r#"{"event":"error"}"#, "message"),
         ] {

@@ -46,7 +46,7 @@ fn canned(tokens: u32, model: &str) -> Canned {
     let mut ndjson = String::new();
     for i in 0..tokens {
         ndjson.push_str(&format!(
-            "{{\"event\":\"token\",\"id\":{},\"text\":\" tok\",\"logprob\":0.0,\"top\":[]}}\n",
+            "{{\"event\":\"token\",\"id\":{},\"text\":\" tok\",\"logprob\":0.0}}\n",
             100 + i
         ));
     }
