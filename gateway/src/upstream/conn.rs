@@ -264,55 +264,66 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    /// A server answering each request on a connection with `body`, counting
-    /// the connections it accepted; with `close_after_one`, it closes every
-    /// connection after its first answer (as a worker restarting would).
-    async fn server(body: &'static str, close_after_one: bool) -> (String, Arc<AtomicUsize>) {
+    /// Listens on a free port and serves each connection with `serve`;
+    /// returns the address and the count of connections accepted.
+    async fn counting_server<F, Fut>(serve: F) -> (String, Arc<AtomicUsize>)
+    where
+        F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let accepted = Arc::new(AtomicUsize::new(0));
         let count = accepted.clone();
         tokio::spawn(async move {
             loop {
-                let (mut socket, _) = listener.accept().await.unwrap();
+                let (socket, _) = listener.accept().await.unwrap();
                 count.fetch_add(1, Ordering::SeqCst);
-                tokio::spawn(async move {
-                    let mut buf = vec![0u8; 4096];
-                    loop {
-                        // A request: headers then a body of Content-Length bytes.
-                        let mut got = Vec::new();
-                        let head_end = loop {
-                            let n = match socket.read(&mut buf).await {
-                                Ok(0) | Err(_) => return,
-                                Ok(n) => n,
-                            };
-                            got.extend_from_slice(&buf[..n]);
-                            if let Some(i) = got.windows(4).position(|w| w == b"\r\n\r\n") {
-                                break i + 4;
-                            }
-                        };
-                        let head = String::from_utf8_lossy(&got[..head_end]).to_lowercase();
-                        let length: usize = head
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length:"))
-                            .map_or(0, |v| v.trim().parse().unwrap());
-                        while got.len() < head_end + length {
-                            let n = socket.read(&mut buf).await.unwrap();
-                            got.extend_from_slice(&buf[..n]);
-                        }
-                        let answer = format!(
-                            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
-                            body.len()
-                        );
-                        socket.write_all(answer.as_bytes()).await.unwrap();
-                        if close_after_one {
-                            return;
-                        }
-                    }
-                });
+                tokio::spawn(serve(socket));
             }
         });
         (addr, accepted)
+    }
+
+    /// A server answering each request on a connection with `body`, counting
+    /// the connections it accepted; with `close_after_one`, it closes every
+    /// connection after its first answer (as a worker restarting would).
+    async fn server(body: &'static str, close_after_one: bool) -> (String, Arc<AtomicUsize>) {
+        counting_server(move |mut socket| async move {
+            let mut buf = vec![0u8; 4096];
+            loop {
+                // A request: headers then a body of Content-Length bytes.
+                let mut got = Vec::new();
+                let head_end = loop {
+                    let n = match socket.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    got.extend_from_slice(&buf[..n]);
+                    if let Some(i) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break i + 4;
+                    }
+                };
+                let head = String::from_utf8_lossy(&got[..head_end]).to_lowercase();
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map_or(0, |v| v.trim().parse().unwrap());
+                while got.len() < head_end + length {
+                    let n = socket.read(&mut buf).await.unwrap();
+                    got.extend_from_slice(&buf[..n]);
+                }
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                socket.write_all(answer.as_bytes()).await.unwrap();
+                if close_after_one {
+                    return;
+                }
+            }
+        })
+        .await
     }
 
     /// A request to the test server, which must be answered.
@@ -368,39 +379,29 @@ mod tests {
         event: &'static str,
         end_after: Duration,
     ) -> (String, Arc<AtomicUsize>) {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let count = accepted.clone();
-        tokio::spawn(async move {
+        counting_server(move |mut socket| async move {
+            let mut buf = vec![0u8; 4096];
             loop {
-                let (mut socket, _) = listener.accept().await.unwrap();
-                count.fetch_add(1, Ordering::SeqCst);
-                tokio::spawn(async move {
-                    let mut buf = vec![0u8; 4096];
-                    loop {
-                        // Requests here are small: one read holds one.
-                        match socket.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(_) => {}
-                        }
-                        let head = format!(
-                            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{event}\r\n",
-                            event.len()
-                        );
-                        if end_after.is_zero() {
-                            let whole = format!("{head}0\r\n\r\n");
-                            socket.write_all(whole.as_bytes()).await.unwrap();
-                            continue;
-                        }
-                        socket.write_all(head.as_bytes()).await.unwrap();
-                        tokio::time::sleep(end_after).await;
-                        socket.write_all(b"0\r\n\r\n").await.unwrap();
-                    }
-                });
+                // Requests here are small: one read holds one.
+                match socket.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{event}\r\n",
+                    event.len()
+                );
+                if end_after.is_zero() {
+                    let whole = format!("{head}0\r\n\r\n");
+                    socket.write_all(whole.as_bytes()).await.unwrap();
+                    continue;
+                }
+                socket.write_all(head.as_bytes()).await.unwrap();
+                tokio::time::sleep(end_after).await;
+                socket.write_all(b"0\r\n\r\n").await.unwrap();
             }
-        });
-        (addr, accepted)
+        })
+        .await
     }
 
     /// Reads an answer's first chunk (the whole event), then releases it.
