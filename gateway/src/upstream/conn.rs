@@ -4,8 +4,9 @@
 //! own idle connections per worker address (the threads run current-thread
 //! runtimes, so a connection's driver task lives where it is used). A
 //! connection goes back to its thread's pool once an answer's body has been
-//! read to its end; an answer dropped before that closes its connection, which
-//! is how a worker learns that a request was abandoned. A pooled connection
+//! read to its end, or *released* after its last event (`Answer::release`);
+//! an answer dropped before that closes its connection, which is how a worker
+//! learns that a request was abandoned. A pooled connection
 //! the worker has closed meanwhile is retried once on a fresh one.
 
 use std::cell::RefCell;
