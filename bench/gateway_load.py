@@ -9,11 +9,9 @@ import http.client
 import json
 import sys
 
-SYSTEM = (
-    "You are the support assistant of a bicycle shop. Answer questions about "
-    "repairs, spare parts, opening hours and prices briefly and politely. If you "
-    "do not know an answer, say so and suggest calling the shop during opening hours."
-)
+# The request of `request_body` in gateway/src/bench/gateway.rs (a test there
+# checks that these texts are its texts).
+SYSTEM = "You are the support assistant of a bicycle shop. Answer questions about repairs, spare parts, opening hours and prices briefly and politely. If you do not know an answer, say so and suggest calling the shop during opening hours."
 
 
 def main() -> None:
@@ -22,10 +20,7 @@ def main() -> None:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     ok = 0
     for i in range(n):
-        question = (
-            f"Customer {i} asks: how much does it cost to replace a chain and "
-            f"{i % 5 + 1} brake pads on a road bike?"
-        )
+        question = f"Customer {i} asks: how much does it cost to replace a chain and {i % 5 + 1} brake pads on a road bike?"
         body = json.dumps(
             {
                 "model": "bench",

@@ -95,19 +95,32 @@ fn process_user_sys_us(pid: u32) -> Option<(f64, f64)> {
     Some((ticks(11)? * 1e6 / hz, ticks(12)? * 1e6 / hz))
 }
 
+/// The system prompt every request of the run shares (also in
+/// `bench/gateway_load.py`, the callgrind procedure's load: a test keeps the
+/// two the same).
+const SYSTEM_PROMPT: &str = "You are the support assistant of a bicycle shop. Answer questions about \
+                             repairs, spare parts, opening hours and prices briefly and politely. If you \
+                             do not know an answer, say so and suggest calling the shop during opening hours.";
+
+/// The user's question of request `i` (one more place kept the same in
+/// `bench/gateway_load.py`).
+fn question(i: u64) -> String {
+    format!(
+        "Customer {i} asks: how much does it cost to replace a chain and {} brake pads on a road bike?",
+        i % 5 + 1
+    )
+}
+
 /// A long shared system prompt and a question that differs in every request
 /// of the run, as in a chat service.
 fn request_body(stream: bool) -> Value {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let i = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let system = "You are the support assistant of a bicycle shop. Answer questions about \
-                  repairs, spare parts, opening hours and prices briefly and politely. If you \
-                  do not know an answer, say so and suggest calling the shop during opening hours.";
     json!({
         "model": "bench",
         "messages": [
-            {"role": "system", "content": system},
-            {"role": "user", "content": format!("Customer {i} asks: how much does it cost to replace a chain and {} brake pads on a road bike?", i % 5 + 1)},
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": question(i)},
         ],
         "max_tokens": 16,
         "stream": stream,
@@ -434,4 +447,27 @@ pub fn run_gateway_bench(
         }
         Ok(summary)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `bench/gateway_load.py` sends the request this benchmark sends, so
+    /// that its instruction counts and this benchmark's CPU describe one
+    /// request.
+    #[test]
+    fn the_callgrind_load_sends_this_benchmarks_request() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/gateway_load.py");
+        let script = std::fs::read_to_string(path).unwrap();
+        assert!(script.contains(&format!("SYSTEM = \"{SYSTEM_PROMPT}\"")));
+        // Request 5 asks about 1 brake pad: both numbers put back as the
+        // script's f-string writes them.
+        let template = question(5)
+            .replace("Customer 5 ", "Customer {i} ")
+            .replace(" and 1 brake", " and {i % 5 + 1} brake");
+        assert!(template.contains("{i} asks") && template.contains("{i % 5 + 1} brake"));
+        assert!(script.contains(&format!("f\"{template}\"")), "{template}");
+        assert!(script.contains("\"max_tokens\": 16"));
+    }
 }
