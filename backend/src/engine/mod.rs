@@ -9,6 +9,7 @@ mod detok;
 mod device;
 mod executor;
 pub mod sampling;
+mod token_line;
 mod types;
 
 pub use core::{Engine, EngineConfig, KvIntake, NumberedKvEvent, Reservation};
