@@ -3,36 +3,43 @@
 use super::sampling::SamplingParams;
 
 /// One generation request, already tokenized (also the JSON body of the
-/// worker's `/internal/generate`; only `prompt` and `max_tokens` are required).
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+/// worker's `/internal/generate`; only `prompt` and `max_tokens` are required,
+/// and fields at their defaults are left out of it: most requests carry none
+/// but those two, and each field written and read costs the gateway and the
+/// worker a few hundred instructions).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GenerateRequest {
     pub prompt: Vec<u32>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "SamplingParams::is_default")]
     pub sampling: SamplingParams,
     /// The most tokens to generate.
     pub max_tokens: u32,
     /// Token ids that end generation (the model's end tokens are added).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stop_ids: Vec<u32>,
     /// Strings that end generation; the text ends before them.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stop_strings: Vec<String>,
     /// Keeps generating past end tokens (benchmarks).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub ignore_eos: bool,
     /// Mixed into the first block hash (tenant isolation); 0 = shared.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub cache_salt: u64,
     /// Retention priority of the prompt's cached blocks.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub cache_priority: u8,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub tenant_id: u32,
     /// Disaggregation: reserve the prompt's KV blocks and wait for a prefill
     /// worker to fill them (the `awaiting_kv` event says which), instead of
     /// prefilling here.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub remote_prefill: bool,
+}
+
+fn is_zero<T: Default + PartialEq>(v: &T) -> bool {
+    *v == T::default()
 }
 
 impl GenerateRequest {
@@ -242,6 +249,53 @@ mod wire {
 #[cfg(test)]
 mod generate_event_tests {
     use super::*;
+
+    /// A request at its defaults is its prompt and max_tokens alone on the
+    /// wire; every field set reads back as it was; and a field left out
+    /// reads as its default.
+    #[test]
+    fn requests_leave_defaults_out_and_read_back_as_written() {
+        let plain = GenerateRequest::new(vec![1, 2, 3], 16);
+        let json = serde_json::to_string(&plain).unwrap();
+        assert_eq!(json, r#"{"prompt":[1,2,3],"max_tokens":16}"#);
+        assert_eq!(
+            serde_json::from_str::<GenerateRequest>(&json).unwrap(),
+            plain
+        );
+        let full = GenerateRequest {
+            prompt: vec![5],
+            sampling: SamplingParams {
+                temperature: 0.5,
+                top_p: 0.9,
+                top_k: 40,
+                seed: Some(7),
+                presence_penalty: 0.25,
+                frequency_penalty: -0.5,
+                logprobs: true,
+                top_logprobs: 3,
+            },
+            max_tokens: 4,
+            stop_ids: vec![2],
+            stop_strings: vec!["\n\n".into()],
+            ignore_eos: true,
+            cache_salt: 99,
+            cache_priority: 2,
+            tenant_id: 11,
+            remote_prefill: true,
+        };
+        let json = serde_json::to_string(&full).unwrap();
+        assert_eq!(
+            serde_json::from_str::<GenerateRequest>(&json).unwrap(),
+            full,
+            "{json}"
+        );
+        // One sampling setting changed: the others, still written, keep theirs.
+        let mut one = plain.clone();
+        one.sampling.temperature = 0.0;
+        let json = serde_json::to_string(&one).unwrap();
+        assert!(json.contains(r#""temperature":0.0"#), "{json}");
+        assert_eq!(serde_json::from_str::<GenerateRequest>(&json).unwrap(), one);
+    }
 
     /// Every variant reads back as it was written, and a variant without
     /// one of its fields, or an unknown variant, is refused.
