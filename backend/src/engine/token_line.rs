@@ -153,9 +153,9 @@ mod tests {
             let from_line = GenerateEvent::from_line(&line).ok();
             assert_eq!(from_line, serde.map(GenerateEvent::Token), "{line}");
         }
-        // Texts here are plain a third of the time or so, and finite
-        // logprobs three times in four.
-        assert!(plain > lines / 5, "{plain} of {lines} lines read plainly");
+        // 9 of the 14 pieces need no escape, so a little over half the texts
+        // are plain (and nearly every random f32 is finite).
+        assert!(plain > lines / 3, "{plain} of {lines} lines read plainly");
     }
 
     /// Lines a worker does not write, or JSON refuses: the plain reader
