@@ -48,12 +48,6 @@ impl Default for SamplingParams {
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 
 impl SamplingParams {
-    /// Whether every field is at its default (the worker's request leaves
-    /// such settings out).
-    pub fn is_default(&self) -> bool {
-        *self == SamplingParams::default()
-    }
-
     /// Checks ranges (temperature 0..=2 and finite, top_p in (0,1], penalties
     /// in -2..=2, top_logprobs <= 20); Err(message) names the field and the
     /// allowed range. NaN fails every range.

@@ -10,7 +10,7 @@ use super::sampling::SamplingParams;
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GenerateRequest {
     pub prompt: Vec<u32>,
-    #[serde(default, skip_serializing_if = "SamplingParams::is_default")]
+    #[serde(default, skip_serializing_if = "is_default")]
     pub sampling: SamplingParams,
     /// The most tokens to generate.
     pub max_tokens: u32,
@@ -24,12 +24,12 @@ pub struct GenerateRequest {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub ignore_eos: bool,
     /// Mixed into the first block hash (tenant isolation); 0 = shared.
-    #[serde(default, skip_serializing_if = "is_zero")]
+    #[serde(default, skip_serializing_if = "is_default")]
     pub cache_salt: u64,
     /// Retention priority of the prompt's cached blocks.
-    #[serde(default, skip_serializing_if = "is_zero")]
+    #[serde(default, skip_serializing_if = "is_default")]
     pub cache_priority: u8,
-    #[serde(default, skip_serializing_if = "is_zero")]
+    #[serde(default, skip_serializing_if = "is_default")]
     pub tenant_id: u32,
     /// Disaggregation: reserve the prompt's KV blocks and wait for a prefill
     /// worker to fill them (the `awaiting_kv` event says which), instead of
@@ -38,7 +38,8 @@ pub struct GenerateRequest {
     pub remote_prefill: bool,
 }
 
-fn is_zero<T: Default + PartialEq>(v: &T) -> bool {
+/// Whether `v` is its type's default (such fields are left off the wire).
+fn is_default<T: Default + PartialEq>(v: &T) -> bool {
     *v == T::default()
 }
 
