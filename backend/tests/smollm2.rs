@@ -97,6 +97,28 @@ fn config_tokenizer_and_template_match_the_model_card() {
         text.ends_with("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"),
         "{text}"
     );
+    // The model's template is rendered natively, with minijinja's output.
+    assert!(tok.renders_template_natively());
+    let conversation = [
+        ("system", "Be brief."),
+        ("user", "Hi {{ there }}"),
+        ("assistant", "Hello!\n"),
+        ("user", "é漢🙂"),
+    ]
+    .map(|(role, content)| ChatMessage {
+        role: role.into(),
+        content: content.into(),
+    });
+    for n in 0..=conversation.len() {
+        for generation in [false, true] {
+            assert_eq!(
+                tok.apply_chat_template(&conversation[..n], generation)
+                    .unwrap(),
+                tok.render_with_minijinja(&conversation[..n], generation)
+                    .unwrap()
+            );
+        }
+    }
 }
 
 #[test]

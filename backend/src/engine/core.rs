@@ -57,12 +57,68 @@ impl Default for EngineConfig {
 }
 
 /// A KV event with the worker's sequence number (1, 2, ...; a gap means lost
-/// events, and the listener should resync from a snapshot).
+/// events, and the listener should resync from a snapshot). On the wire one
+/// flat object, `{"seq":7,"type":"stored","hashes":[..],"parent":..}`.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "NumberedKvEventWire", into = "NumberedKvEventWire")]
 pub struct NumberedKvEvent {
     pub seq: u64,
-    #[serde(flatten)]
     pub event: KvEvent,
+}
+
+/// [`NumberedKvEvent`]'s wire form as one struct: what `#[serde(flatten)]` of
+/// the tagged event wrote, read without flatten's buffering of every field
+/// (the gateway reads one of these for every request a worker serves).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct NumberedKvEventWire {
+    seq: u64,
+    #[serde(rename = "type")]
+    kind: KvEventKind,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    hashes: Option<Vec<u64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    parent: Option<u64>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum KvEventKind {
+    Stored,
+    Removed,
+    AllCleared,
+}
+
+impl TryFrom<NumberedKvEventWire> for NumberedKvEvent {
+    type Error = &'static str;
+
+    fn try_from(w: NumberedKvEventWire) -> Result<Self, Self::Error> {
+        let event = match (w.kind, w.hashes) {
+            (KvEventKind::Stored, Some(hashes)) => KvEvent::Stored {
+                hashes,
+                parent: w.parent,
+            },
+            (KvEventKind::Removed, Some(hashes)) => KvEvent::Removed { hashes },
+            (KvEventKind::AllCleared, _) => KvEvent::AllCleared,
+            (_, None) => return Err("missing field `hashes`"),
+        };
+        Ok(NumberedKvEvent { seq: w.seq, event })
+    }
+}
+
+impl From<NumberedKvEvent> for NumberedKvEventWire {
+    fn from(e: NumberedKvEvent) -> Self {
+        let (kind, hashes, parent) = match e.event {
+            KvEvent::Stored { hashes, parent } => (KvEventKind::Stored, Some(hashes), parent),
+            KvEvent::Removed { hashes } => (KvEventKind::Removed, Some(hashes), None),
+            KvEvent::AllCleared => (KvEventKind::AllCleared, None, None),
+        };
+        NumberedKvEventWire {
+            seq: e.seq,
+            kind,
+            hashes,
+            parent,
+        }
+    }
 }
 
 /// A `remote_prefill` request whose blocks are reserved ([`Engine::reserve_kv`]).
@@ -1201,4 +1257,81 @@ fn no_import(handle: u64) -> String {
     format!(
         "no request here is waiting for KV under handle {handle} (finished, cancelled or timed out)"
     )
+}
+
+#[cfg(test)]
+mod kv_event_wire_tests {
+    use super::{KvEvent, NumberedKvEvent};
+
+    fn read(text: &str) -> Result<NumberedKvEvent, serde_json::Error> {
+        serde_json::from_str(text)
+    }
+
+    #[test]
+    fn kv_events_read_as_the_flattened_form_wrote_them() {
+        // What `#[serde(flatten)]` over the tagged enum wrote (parent null
+        // included), and fields in any order, unknown ones ignored.
+        assert_eq!(
+            read(r#"{"seq":3,"type":"stored","hashes":[1,18446744073709551615],"parent":null}"#)
+                .unwrap(),
+            NumberedKvEvent {
+                seq: 3,
+                event: KvEvent::Stored {
+                    hashes: vec![1, u64::MAX],
+                    parent: None
+                }
+            }
+        );
+        assert_eq!(
+            read(r#"{"parent":9,"hashes":[],"type":"stored","seq":4,"extra":{"a":[1]}}"#).unwrap(),
+            NumberedKvEvent {
+                seq: 4,
+                event: KvEvent::Stored {
+                    hashes: vec![],
+                    parent: Some(9)
+                }
+            }
+        );
+        assert_eq!(
+            read(r#"{"seq":5,"type":"removed","hashes":[7]}"#)
+                .unwrap()
+                .event,
+            KvEvent::Removed { hashes: vec![7] }
+        );
+        assert_eq!(
+            read(r#"{"seq":6,"type":"all_cleared"}"#).unwrap().event,
+            KvEvent::AllCleared
+        );
+        for bad in [
+            r#"{"seq":1,"type":"stored"}"#,
+            r#"{"seq":1,"type":"removed","parent":2}"#,
+            r#"{"seq":1,"type":"evicted","hashes":[]}"#,
+            r#"{"type":"all_cleared"}"#,
+            r#"{"seq":-1,"type":"all_cleared"}"#,
+            r#"{"seq":1,"type":"stored","hashes":[1.5]}"#,
+        ] {
+            assert!(read(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn kv_events_round_trip() {
+        for event in [
+            KvEvent::Stored {
+                hashes: vec![0, 42, u64::MAX],
+                parent: Some(u64::MAX - 1),
+            },
+            KvEvent::Stored {
+                hashes: vec![5],
+                parent: None,
+            },
+            KvEvent::Removed { hashes: vec![3, 2] },
+            KvEvent::AllCleared,
+        ] {
+            let numbered = NumberedKvEvent { seq: 77, event };
+            let text = serde_json::to_string(&numbered).unwrap();
+            assert!(text.starts_with(r#"{"seq":77,"type":""#), "{text}");
+            assert_eq!(read(&text).unwrap(), numbered, "{text}");
+        }
+    }
 }

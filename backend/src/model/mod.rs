@@ -2,6 +2,7 @@
 //! linear layers' precision (`precision`).
 
 mod byte_level;
+mod chatml;
 mod config;
 mod generations;
 pub mod gguf;

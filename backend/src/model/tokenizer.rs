@@ -10,6 +10,7 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::{AddedToken, PreTokenizerWrapper};
 
 use super::byte_level::ByteLevelEncoder;
+use super::chatml::{ChatMl, DEFAULT_TEMPLATE};
 use super::gguf::{Gguf, GgufError};
 use super::segments::SegmentEncoder;
 
@@ -45,17 +46,27 @@ pub struct Tokenizer {
     pub add_bos: bool,
     /// The compiled chat template (`chat`), or why it did not compile.
     template: Result<minijinja::Environment<'static>, String>,
+    /// The same template rendered natively, when it is a known ChatML one.
+    chatml: Option<ChatMl>,
     /// Segment-wise encoding with a cache, when it is exact for this tokenizer.
     segments: Option<SegmentEncoder>,
     bos_text: String,
     eos_text: String,
 }
 
-/// The template used when a model has none.
-const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+/// Compiles a chat template once (ChatML when the model has none), with its
+/// native renderer when it is a known ChatML template.
+fn chat_template(
+    source: Option<&str>,
+) -> (
+    Result<minijinja::Environment<'static>, String>,
+    Option<ChatMl>,
+) {
+    let source = source.unwrap_or(DEFAULT_TEMPLATE);
+    (compile_template(source), ChatMl::recognise(source))
+}
 
-/// Compiles a chat template once.
-fn compile_template(source: Option<String>) -> Result<minijinja::Environment<'static>, String> {
+pub(super) fn compile_template(source: &str) -> Result<minijinja::Environment<'static>, String> {
     let mut env = minijinja::Environment::new();
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function(
@@ -67,7 +78,7 @@ fn compile_template(source: Option<String>) -> Result<minijinja::Environment<'st
             ))
         },
     );
-    env.add_template_owned("chat", source.unwrap_or_else(|| CHATML.to_string()))
+    env.add_template_owned("chat", source.to_string())
         .map_err(|e| e.to_string())?;
     Ok(env)
 }
@@ -151,6 +162,7 @@ impl Tokenizer {
                 stop_ids.push(end);
             }
         }
+        let (template, chatml) = chat_template(g.get_str("tokenizer.chat_template").ok());
         Ok(Tokenizer {
             segments: SegmentEncoder::for_tokenizer(&inner, ByteLevelEncoder::new(isolate_digits)),
             inner,
@@ -160,11 +172,8 @@ impl Tokenizer {
             add_bos: g
                 .get("tokenizer.ggml.add_bos_token")
                 .is_ok_and(|v| *v == super::gguf::Value::Bool(true)),
-            template: compile_template(
-                g.get_str("tokenizer.chat_template")
-                    .ok()
-                    .map(str::to_string),
-            ),
+            template,
+            chatml,
             bos_text: text_of(bos),
             eos_text: text_of(Some(eos)),
         })
@@ -192,6 +201,7 @@ impl Tokenizer {
             TokenizerError::Build(format!("eos token {eos_text:?} is not in the vocabulary"))
         })?;
         let bos = bos_text.as_deref().and_then(|t| inner.token_to_id(t));
+        let (template, chatml) = chat_template(config["chat_template"].as_str());
         let mut stop_ids = vec![eos];
         for end in ["<|im_end|>", "<|eot_id|>"] {
             if let Some(id) = inner.token_to_id(end)
@@ -208,7 +218,8 @@ impl Tokenizer {
             eos,
             stop_ids,
             add_bos: config["add_bos_token"].as_bool().unwrap_or(false),
-            template: compile_template(config["chat_template"].as_str().map(str::to_string)),
+            template,
+            chatml,
             bos_text: bos_text.unwrap_or_default(),
             eos_text,
         })
@@ -287,7 +298,30 @@ impl Tokenizer {
 
     /// Renders the chat template with `messages` (and the assistant's opening
     /// when `add_generation_prompt`). Models without a template get ChatML.
+    /// Known ChatML templates are written natively (`super::chatml`), others
+    /// rendered by minijinja.
     pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
+        if let Some(chatml) = &self.chatml {
+            let turns = messages
+                .iter()
+                .map(|m| (m.role.as_str(), m.content.as_str()));
+            return Ok(chatml.render(turns, add_generation_prompt));
+        }
+        self.render_with_minijinja(messages, add_generation_prompt)
+    }
+
+    /// Whether this tokenizer's chat template is rendered natively.
+    pub fn renders_template_natively(&self) -> bool {
+        self.chatml.is_some()
+    }
+
+    /// [`Tokenizer::apply_chat_template`] through minijinja whatever the
+    /// template (the reference the native renderer is tested against).
+    pub fn render_with_minijinja(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
