@@ -56,10 +56,52 @@ fn json_u32(s: &str) -> Option<u32> {
 /// rounded parse. Rust's parser takes more than JSON allows ("1.", ".5",
 /// "inf"), so the grammar is checked first.
 fn json_f32(s: &str) -> Option<f32> {
+    if let Some(v) = short_decimal_f32(s.as_bytes()) {
+        return Some(v);
+    }
     if s.len() > 16 || !json_number(s.as_bytes()) {
         return None;
     }
     s.parse().ok()
+}
+
+/// Powers of ten exact in f32.
+const POW10_F32: [f32; 11] = [1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10];
+
+/// A JSON number without exponent whose digits make an integer m ≤ 2^24
+/// with at most 10 after the point, read in one pass: m and 10^k are exact
+/// in f32, so one division rounds correctly (Clinger's fast path) and gives
+/// the bits `str::parse` gives, at a fraction of its cost. Anything else
+/// (an exponent, more digits) is `None`.
+fn short_decimal_f32(b: &[u8]) -> Option<f32> {
+    let (negative, digits) = match b.split_first() {
+        Some((b'-', rest)) => (true, rest),
+        _ => (false, b),
+    };
+    let (mut m, mut int_digits, mut frac_digits, mut point) = (0u32, 0u32, 0u32, false);
+    for &c in digits {
+        match c {
+            b'0'..=b'9' => {
+                m = m.checked_mul(10)?.checked_add(u32::from(c - b'0'))?;
+                if point {
+                    frac_digits += 1;
+                } else {
+                    int_digits += 1;
+                }
+            }
+            b'.' if !point => point = true,
+            _ => return None,
+        }
+    }
+    let leading_zero = digits.first() == Some(&b'0');
+    if int_digits == 0 || (int_digits > 1 && leading_zero) || (point && frac_digits == 0) {
+        return None;
+    }
+    if m > 1 << 24 || frac_digits as usize >= POW10_F32.len() {
+        return None;
+    }
+    let v = m as f32 / POW10_F32[frac_digits as usize];
+    Some(if negative { -v } else { v })
 }
 
 /// `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`
@@ -95,6 +137,51 @@ mod tests {
     use super::*;
     use crate::engine::GenerateEvent;
     use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn short_decimals_read_as_str_parse_reads_them() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let mut fast = 0;
+        for i in 0..200_000 {
+            let x: f32 = match i % 3 {
+                0 => -rng.random::<f32>() * 20.0,
+                1 => f32::from_bits(rng.random::<u32>() & 0xbfff_ffff),
+                _ => rng.random_range(-1e4f32..1e4),
+            };
+            if !x.is_finite() {
+                continue;
+            }
+            for text in [
+                serde_json::to_string(&x).unwrap(),
+                format!("{x:.3}"),
+                format!("{x:.9}"),
+                format!("{}", x.round()),
+            ] {
+                let want: Option<f32> = json_number(text.as_bytes())
+                    .then(|| text.parse().unwrap());
+                match short_decimal_f32(text.as_bytes()) {
+                    Some(got) => {
+                        fast += 1;
+                        assert_eq!(Some(got.to_bits()), want.map(f32::to_bits), "{text}");
+                    }
+                    // (7 digits or fewer: an integer under 2^24, at most 7 after the point.)
+                    None => assert!(
+                        want.is_none()
+                            || text.contains(['e', 'E'])
+                            || text.bytes().filter(u8::is_ascii_digit).count() > 7,
+                        "{text} is short and plain, yet not read"
+                    ),
+                }
+            }
+        }
+        assert!(fast > 200_000, "only {fast} on the fast path");
+        for text in ["", "-", "01", "-01", "1.", ".5", "1.2.3", "+1", "1e5", "0x1", "16777217", "1.23456789012"] {
+            assert_eq!(short_decimal_f32(text.as_bytes()), None, "{text}");
+        }
+        assert_eq!(short_decimal_f32(b"-0").map(f32::to_bits), Some((-0.0f32).to_bits()));
+        assert_eq!(short_decimal_f32(b"16777216"), Some(16_777_216.0));
+        assert_eq!(short_decimal_f32(b"-0.0000000001"), Some(-1e-10));
+    }
 
     /// What serde reads from `line`, as a token (None: refused or another event).
     fn by_serde(line: &str) -> Option<TokenOut> {

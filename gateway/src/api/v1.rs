@@ -185,7 +185,11 @@ async fn answer(
                 gateway.config.block_size,
                 &gateway.policies.cache,
             );
-            let generate = serde_json::to_vec(&pre.prepared.generate)
+            // Room for the prompt's ids (up to 6 digits and a comma each) at
+            // once, rather than a buffer doubled from 128 bytes as it fills.
+            let mut generate =
+                Vec::with_capacity(256 + 7 * pre.prepared.generate.prompt.len());
+            serde_json::to_writer(&mut generate, &pre.prepared.generate)
                 .map_err(|e| (RequestOutcome::failed, ApiError::unavailable(e.to_string())))?;
             (
                 pre.view,
