@@ -157,8 +157,7 @@ mod tests {
                 format!("{x:.9}"),
                 format!("{}", x.round()),
             ] {
-                let want: Option<f32> = json_number(text.as_bytes())
-                    .then(|| text.parse().unwrap());
+                let want: Option<f32> = json_number(text.as_bytes()).then(|| text.parse().unwrap());
                 match short_decimal_f32(text.as_bytes()) {
                     Some(got) => {
                         fast += 1;
@@ -175,10 +174,26 @@ mod tests {
             }
         }
         assert!(fast > 200_000, "only {fast} on the fast path");
-        for text in ["", "-", "01", "-01", "1.", ".5", "1.2.3", "+1", "1e5", "0x1", "16777217", "1.23456789012"] {
+        for text in [
+            "",
+            "-",
+            "01",
+            "-01",
+            "1.",
+            ".5",
+            "1.2.3",
+            "+1",
+            "1e5",
+            "0x1",
+            "16777217",
+            "1.23456789012",
+        ] {
             assert_eq!(short_decimal_f32(text.as_bytes()), None, "{text}");
         }
-        assert_eq!(short_decimal_f32(b"-0").map(f32::to_bits), Some((-0.0f32).to_bits()));
+        assert_eq!(
+            short_decimal_f32(b"-0").map(f32::to_bits),
+            Some((-0.0f32).to_bits())
+        );
         assert_eq!(short_decimal_f32(b"16777216"), Some(16_777_216.0));
         assert_eq!(short_decimal_f32(b"-0.0000000001"), Some(-1e-10));
     }

@@ -83,8 +83,10 @@ impl ByteLevelEncoder {
             let cacheable = piece.len() <= MAX_CACHED_PIECE;
             if cacheable {
                 let mut words = self.words.lock().unwrap_or_else(|e| e.into_inner());
-                if let Some(ids) = words.get(piece) {
-                    out.extend_from_slice(ids);
+                if words
+                    .get_with(piece, |ids| out.extend_from_slice(ids))
+                    .is_some()
+                {
                     return Ok(());
                 }
             }

@@ -35,17 +35,20 @@ impl<K: Hash + Eq, V> Generations<K, V> {
         }
     }
 
-    /// The value of `key`, moved into the current generation if it was old.
-    pub fn get<Q>(&mut self, key: &Q) -> Option<&V>
+    /// `read` of the value of `key`, which moves into the current generation
+    /// if it was old. (A closure rather than a returned `&V`: returning the
+    /// borrow of one lookup conditionally would not pass the borrow checker,
+    /// and a second lookup costs a hash on every hit.)
+    pub fn get_with<Q, R>(&mut self, key: &Q, read: impl FnOnce(&V) -> R) -> Option<R>
     where
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        if self.current.contains_key(key) {
-            return self.current.get(key);
+        if let Some(value) = self.current.get(key) {
+            return Some(read(value));
         }
         let (key, value) = self.old.remove_entry(key)?;
-        Some(self.insert(key, value))
+        Some(read(self.insert(key, value)))
     }
 
     /// Adds an entry, starting a new generation when the current one is
@@ -79,13 +82,17 @@ mod tests {
         // Full: a and b become old.
         cache.insert("c".into(), 3);
         assert_eq!(cache.len(), 3);
-        assert_eq!(cache.get("a"), Some(&1), "old entries are still found");
+        assert_eq!(
+            cache.get_with("a", |v| *v),
+            Some(1),
+            "old entries are still found"
+        );
         // a moved back next to c; the current generation (c, a) is full now.
         cache.insert("d".into(), 4);
         // (c, a) became old and b, never used again, is gone.
-        assert_eq!(cache.get("b"), None);
-        assert_eq!(cache.get("a"), Some(&1));
-        assert_eq!(cache.get("d"), Some(&4));
+        assert_eq!(cache.get_with("b", |v| *v), None);
+        assert_eq!(cache.get_with("a", |v| *v), Some(1));
+        assert_eq!(cache.get_with("d", |v| *v), Some(4));
     }
 
     #[test]
@@ -95,8 +102,8 @@ mod tests {
         cache.insert(2, 2);
         cache.insert(3, 3);
         // 1 was dropped with the first generation; 2 is old, 3 current.
-        assert_eq!(cache.get(&1), None);
-        assert_eq!(cache.get(&3), Some(&3));
-        assert_eq!(cache.get(&2), Some(&2));
+        assert_eq!(cache.get_with(&1, |v| *v), None);
+        assert_eq!(cache.get_with(&3, |v| *v), Some(3));
+        assert_eq!(cache.get_with(&2, |v| *v), Some(2));
     }
 }

@@ -132,6 +132,6 @@ impl SegmentEncoder {
     /// A cached segment; one found in the old generation moves to the new one.
     fn lookup(&self, text: &str) -> Option<Arc<[u32]>> {
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        cache.get(text).cloned()
+        cache.get_with(text, Arc::clone)
     }
 }

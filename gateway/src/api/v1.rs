@@ -187,8 +187,7 @@ async fn answer(
             );
             // Room for the prompt's ids (up to 6 digits and a comma each) at
             // once, rather than a buffer doubled from 128 bytes as it fills.
-            let mut generate =
-                Vec::with_capacity(256 + 7 * pre.prepared.generate.prompt.len());
+            let mut generate = Vec::with_capacity(256 + 7 * pre.prepared.generate.prompt.len());
             serde_json::to_writer(&mut generate, &pre.prepared.generate)
                 .map_err(|e| (RequestOutcome::failed, ApiError::unavailable(e.to_string())))?;
             (
