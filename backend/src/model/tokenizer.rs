@@ -1,6 +1,7 @@
 //! The tokenizer and chat template stored in a GGUF file, built with the
 //! `tokenizers` crate (byte-level BPE; SmolLM2's pre-tokenizer splits digits one
-//! by one) and rendered with minijinja (compiled once). Prompts are encoded in
+//! by one) and rendered with minijinja (compiled once; the known ChatML
+//! templates written natively, `super::chatml`). Prompts are encoded in
 //! segments between added tokens, long ones cached (`super::segments`).
 
 use tokenizers::models::bpe::{BPE, Vocab};
@@ -66,6 +67,8 @@ fn chat_template(
     (compile_template(source), ChatMl::recognise(source))
 }
 
+/// Compiles `source` as the template `chat`, with the functions and Python
+/// string methods that Hugging Face templates call.
 pub(super) fn compile_template(source: &str) -> Result<minijinja::Environment<'static>, String> {
     let mut env = minijinja::Environment::new();
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
