@@ -307,3 +307,51 @@ fn fast_byte_level_encoding_equals_tokenizers_on_random_text() {
         );
     }
 }
+
+/// `bench/gguf_without_tensors.py` keeps what a gateway reads of the model
+/// (config, tokenizer, chat template) and drops the weights: the copy
+/// describes the same model and tokenizes and templates as the original.
+#[test]
+fn a_gguf_without_its_tensors_serves_the_same_tokenizer() {
+    let path = common::model_path();
+    let out = std::env::temp_dir().join(format!("sluice-no-tensors-{}.gguf", std::process::id()));
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../bench/gguf_without_tensors.py"
+    );
+    let status = std::process::Command::new("python3")
+        .arg(script)
+        .arg(&path)
+        .arg(&out)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("python3 runs");
+    assert!(status.success(), "{script} failed");
+    let small = std::fs::metadata(&out).unwrap().len();
+    let stripped = sluice_backend::model::describe(&out);
+    std::fs::remove_file(&out).unwrap();
+    let stripped = stripped.unwrap();
+    assert!(small < 4 << 20, "{small} bytes");
+    assert!(Gguf::open(&path).unwrap().tensors.len() > 200);
+    let (model, tok) = load();
+    assert_eq!(stripped.config, model.config);
+    let texts = ["<|im_start|>2024", "Hello, world! ¿Qué tal? 漢字 🙂\n\n  x"];
+    for text in texts {
+        assert_eq!(
+            stripped.tokenizer.encode(text).unwrap(),
+            tok.encode(text).unwrap(),
+            "{text}"
+        );
+    }
+    let messages = [ChatMessage {
+        role: "user".into(),
+        content: "Hi".into(),
+    }];
+    assert_eq!(
+        stripped
+            .tokenizer
+            .apply_chat_template(&messages, true)
+            .unwrap(),
+        tok.apply_chat_template(&messages, true).unwrap()
+    );
+}
