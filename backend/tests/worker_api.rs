@@ -166,6 +166,11 @@ async fn bad_requests_get_openai_errors() {
         ),
         (json!({"messages": question(), "n": 2}), 400, "n"),
         (
+            json!({"messages": question(), "tools": [{"type": "function", "function": {"name": "f"}}]}),
+            400,
+            "tools",
+        ),
+        (
             json!({"messages": question(), "max_tokens": 0}),
             400,
             "max_tokens",

@@ -554,6 +554,16 @@ async fn bad_input_gets_openai_errors_and_admin_needs_its_token() {
             (404, "not_found_error".into(), Some("model".into())),
         ),
         (json!({"messages": "not a list"}), invalid(None)),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}],
+                   "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+            invalid(Some("tools")),
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}],
+                   "response_format": {"type": "json_object"}}),
+            invalid(Some("response_format")),
+        ),
     ];
     for (body, expected) in cases {
         let (s, _, b) = cluster.post(CHAT, &body).await;

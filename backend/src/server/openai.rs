@@ -12,6 +12,7 @@ use axum::Json;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
+use serde::de::IgnoredAny;
 use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -86,6 +87,41 @@ pub struct Common {
     /// The end user; the gateway takes it as the session id when the request
     /// has no `X-Session-Id` header.
     pub user: Option<String>,
+    /// Not implemented: refused when it biases anything ([`Unsupported`]).
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
+}
+
+/// `response_format`: only `{"type": "text"}` (the default) is served.
+#[derive(Debug, Deserialize)]
+pub struct ResponseFormat {
+    #[serde(rename = "type")]
+    pub kind: String,
+}
+
+/// Features of OpenAI's API that sluice does not implement. A request that
+/// asks for one is refused with a 400 naming it, not answered as if it had
+/// not asked (a client that sent tools would otherwise read plain text as
+/// "the model chose not to call one"). Present but empty or default values
+/// (`"tools": []`, `"tool_choice": "none"`, `"response_format": {"type":
+/// "text"}`, `"best_of": 1`) ask for nothing and pass.
+pub trait Unsupported {
+    fn refuse_unsupported(&self) -> Result<(), ApiError>;
+}
+
+fn refuse(what: &str, param: &'static str) -> Result<(), ApiError> {
+    Err(ApiError::invalid(
+        format!("{what} is not supported by this server"),
+        Some(param),
+    ))
+}
+
+impl Unsupported for Common {
+    fn refuse_unsupported(&self) -> Result<(), ApiError> {
+        if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+            return refuse("logit_bias", "logit_bias");
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -94,8 +130,41 @@ pub struct ChatRequest {
     #[serde(default)]
     pub logprobs: bool,
     pub top_logprobs: Option<u32>,
+    /// Tool calling, function calling and structured output: not
+    /// implemented ([`Unsupported`]).
+    pub tools: Option<Vec<IgnoredAny>>,
+    pub functions: Option<Vec<IgnoredAny>>,
+    pub tool_choice: Option<Value>,
+    pub response_format: Option<ResponseFormat>,
     #[serde(flatten)]
     pub common: Common,
+}
+
+impl Unsupported for ChatRequest {
+    fn refuse_unsupported(&self) -> Result<(), ApiError> {
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return refuse("tool calling (tools)", "tools");
+        }
+        if self.functions.as_ref().is_some_and(|f| !f.is_empty()) {
+            return refuse("function calling (functions)", "functions");
+        }
+        // "auto" with no tools can call nothing: the same as "none".
+        match &self.tool_choice {
+            None => {}
+            Some(Value::String(s)) if s == "none" || s == "auto" => {}
+            Some(Value::String(s)) => return refuse(&format!("tool_choice `{s}`"), "tool_choice"),
+            Some(_) => return refuse("a tool_choice naming a tool", "tool_choice"),
+        }
+        if let Some(format) = &self.response_format
+            && format.kind != "text"
+        {
+            return refuse(
+                &format!("response_format of type `{}`", format.kind),
+                "response_format",
+            );
+        }
+        self.common.refuse_unsupported()
+    }
 }
 
 /// A completions prompt: text or token ids (one prompt only).
@@ -115,8 +184,24 @@ pub struct CompletionRequest {
     pub logprobs: Option<u32>,
     #[serde(default)]
     pub echo: bool,
+    /// Insertion (text after the completion) and server-side best-of-n:
+    /// not implemented ([`Unsupported`]).
+    pub suffix: Option<String>,
+    pub best_of: Option<u32>,
     #[serde(flatten)]
     pub common: Common,
+}
+
+impl Unsupported for CompletionRequest {
+    fn refuse_unsupported(&self) -> Result<(), ApiError> {
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return refuse("suffix", "suffix");
+        }
+        if self.best_of.is_some_and(|n| n != 1) {
+            return refuse("best_of other than 1", "best_of");
+        }
+        self.common.refuse_unsupported()
+    }
 }
 
 /// Longest stop list accepted.
@@ -258,6 +343,7 @@ pub struct Frontend {
 impl Frontend {
     /// Parses and validates a chat request: template, tokenizer, limits.
     pub fn chat(&self, request: &ChatRequest) -> Result<Prepared, ApiError> {
+        request.refuse_unsupported()?;
         let prompt = self.chat_prompt(request)?;
         let top = request.top_logprobs.unwrap_or(0);
         if top > 0 && !request.logprobs {
@@ -277,6 +363,7 @@ impl Frontend {
 
     /// Parses and validates a completions request.
     pub fn completion(&self, request: &CompletionRequest) -> Result<Prepared, ApiError> {
+        request.refuse_unsupported()?;
         if request.echo {
             return Err(ApiError::invalid("echo is not supported", Some("echo")));
         }
@@ -995,6 +1082,104 @@ mod chunk_tests {
                     assert_eq!(parsed["model"], json!(model));
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat_param(body: Value) -> Option<&'static str> {
+        let request: ChatRequest = from_json(body.to_string().as_bytes()).unwrap();
+        request.refuse_unsupported().err().map(|e| e.param.unwrap())
+    }
+
+    fn completion_param(body: Value) -> Option<&'static str> {
+        let request: CompletionRequest = from_json(body.to_string().as_bytes()).unwrap();
+        request.refuse_unsupported().err().map(|e| e.param.unwrap())
+    }
+
+    #[test]
+    fn features_sluice_lacks_are_refused_by_name() {
+        let chat = |extra: Value| {
+            let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            chat_param(body)
+        };
+        let tool = json!({"type": "function", "function": {"name": "f", "parameters": {}}});
+        assert_eq!(chat(json!({"tools": [tool]})), Some("tools"));
+        assert_eq!(
+            chat(json!({"functions": [{"name": "f", "parameters": {}}]})),
+            Some("functions")
+        );
+        assert_eq!(
+            chat(json!({"tool_choice": "required"})),
+            Some("tool_choice")
+        );
+        assert_eq!(
+            chat(json!({"tool_choice": {"type": "function", "function": {"name": "f"}}})),
+            Some("tool_choice")
+        );
+        assert_eq!(
+            chat(json!({"response_format": {"type": "json_object"}})),
+            Some("response_format")
+        );
+        assert_eq!(
+            chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})),
+            Some("response_format")
+        );
+        assert_eq!(
+            chat(json!({"logit_bias": {"50256": -100}})),
+            Some("logit_bias")
+        );
+        assert_eq!(
+            completion_param(json!({"prompt": "a", "suffix": "b"})),
+            Some("suffix")
+        );
+        assert_eq!(
+            completion_param(json!({"prompt": "a", "best_of": 3})),
+            Some("best_of")
+        );
+        assert_eq!(
+            completion_param(json!({"prompt": "a", "logit_bias": {"1": 5}})),
+            Some("logit_bias")
+        );
+    }
+
+    #[test]
+    fn empty_or_default_forms_of_those_features_pass() {
+        let chat = |extra: Value| {
+            let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            chat_param(body)
+        };
+        for extra in [
+            json!({}),
+            json!({"tools": []}),
+            json!({"tools": null, "functions": []}),
+            json!({"tool_choice": "none"}),
+            json!({"tool_choice": "auto"}),
+            json!({"response_format": {"type": "text"}}),
+            json!({"logit_bias": {}}),
+            json!({"logit_bias": null, "parallel_tool_calls": false}),
+        ] {
+            assert_eq!(chat(extra.clone()), None, "{extra}");
+        }
+        for extra in [
+            json!({"suffix": ""}),
+            json!({"best_of": 1}),
+            json!({"suffix": null, "logit_bias": {}}),
+        ] {
+            let mut body = json!({"prompt": "a"});
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            assert_eq!(completion_param(body), None, "{extra}");
         }
     }
 }
