@@ -87,7 +87,7 @@ pub struct Common {
     /// The end user; the gateway takes it as the session id when the request
     /// has no `X-Session-Id` header.
     pub user: Option<String>,
-    /// Not implemented: refused when it biases anything ([`Unsupported`]).
+    /// Not implemented: refused when it biases anything (see `refuse`).
     pub logit_bias: Option<serde_json::Map<String, Value>>,
 }
 
@@ -98,16 +98,13 @@ pub struct ResponseFormat {
     pub kind: String,
 }
 
-/// Features of OpenAI's API that sluice does not implement. A request that
-/// asks for one is refused with a 400 naming it, not answered as if it had
-/// not asked (a client that sent tools would otherwise read plain text as
-/// "the model chose not to call one"). Present but empty or default values
-/// (`"tools": []`, `"tool_choice": "none"`, `"response_format": {"type":
-/// "text"}`, `"best_of": 1`) ask for nothing and pass.
-pub trait Unsupported {
-    fn refuse_unsupported(&self) -> Result<(), ApiError>;
-}
-
+/// Features of OpenAI's API that sluice does not implement
+/// (`refuse_unsupported` of each request type): a request that asks for one
+/// is refused with a 400 naming it, not answered as if it had not asked (a
+/// client that sent tools would otherwise read plain text as "the model chose
+/// not to call one"). Present but empty or default values (`"tools": []`,
+/// `"tool_choice": "none"`, `"response_format": {"type": "text"}`,
+/// `"best_of": 1`) ask for nothing and pass.
 fn refuse(what: &str, param: &'static str) -> Result<(), ApiError> {
     Err(ApiError::invalid(
         format!("{what} is not supported by this server"),
@@ -115,7 +112,7 @@ fn refuse(what: &str, param: &'static str) -> Result<(), ApiError> {
     ))
 }
 
-impl Unsupported for Common {
+impl Common {
     fn refuse_unsupported(&self) -> Result<(), ApiError> {
         if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
             return refuse("logit_bias", "logit_bias");
@@ -131,7 +128,7 @@ pub struct ChatRequest {
     pub logprobs: bool,
     pub top_logprobs: Option<u32>,
     /// Tool calling, function calling and structured output: not
-    /// implemented ([`Unsupported`]).
+    /// implemented (see `refuse`).
     pub tools: Option<Vec<IgnoredAny>>,
     pub functions: Option<Vec<IgnoredAny>>,
     pub tool_choice: Option<Value>,
@@ -140,8 +137,9 @@ pub struct ChatRequest {
     pub common: Common,
 }
 
-impl Unsupported for ChatRequest {
-    fn refuse_unsupported(&self) -> Result<(), ApiError> {
+impl ChatRequest {
+    /// Refuses what sluice does not implement (see `refuse`).
+    pub fn refuse_unsupported(&self) -> Result<(), ApiError> {
         if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return refuse("tool calling (tools)", "tools");
         }
@@ -185,15 +183,16 @@ pub struct CompletionRequest {
     #[serde(default)]
     pub echo: bool,
     /// Insertion (text after the completion) and server-side best-of-n:
-    /// not implemented ([`Unsupported`]).
+    /// not implemented (see `refuse`).
     pub suffix: Option<String>,
     pub best_of: Option<u32>,
     #[serde(flatten)]
     pub common: Common,
 }
 
-impl Unsupported for CompletionRequest {
-    fn refuse_unsupported(&self) -> Result<(), ApiError> {
+impl CompletionRequest {
+    /// Refuses what sluice does not implement (see `refuse`).
+    pub fn refuse_unsupported(&self) -> Result<(), ApiError> {
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return refuse("suffix", "suffix");
         }
