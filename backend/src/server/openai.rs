@@ -1089,74 +1089,68 @@ mod chunk_tests {
 mod tests {
     use super::*;
 
-    fn chat_param(body: Value) -> Option<&'static str> {
-        let request: ChatRequest = from_json(body.to_string().as_bytes()).unwrap();
+    /// `base` with `extra`'s fields added.
+    fn with(mut base: Value, extra: &Value) -> String {
+        base.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        base.to_string()
+    }
+
+    /// The param a chat request with `extra` is refused for, if any.
+    fn chat(extra: Value) -> Option<&'static str> {
+        let body = with(
+            json!({"messages": [{"role": "user", "content": "hi"}]}),
+            &extra,
+        );
+        let request: ChatRequest = from_json(body.as_bytes()).unwrap();
         request.refuse_unsupported().err().map(|e| e.param.unwrap())
     }
 
-    fn completion_param(body: Value) -> Option<&'static str> {
-        let request: CompletionRequest = from_json(body.to_string().as_bytes()).unwrap();
+    /// The same for a completions request.
+    fn completion(extra: Value) -> Option<&'static str> {
+        let body = with(json!({"prompt": "a"}), &extra);
+        let request: CompletionRequest = from_json(body.as_bytes()).unwrap();
         request.refuse_unsupported().err().map(|e| e.param.unwrap())
     }
 
     #[test]
     fn features_sluice_lacks_are_refused_by_name() {
-        let chat = |extra: Value| {
-            let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
-            body.as_object_mut()
-                .unwrap()
-                .extend(extra.as_object().unwrap().clone());
-            chat_param(body)
-        };
         let tool = json!({"type": "function", "function": {"name": "f", "parameters": {}}});
-        assert_eq!(chat(json!({"tools": [tool]})), Some("tools"));
+        let refused = [
+            (json!({"tools": [tool]}), "tools"),
+            (
+                json!({"functions": [{"name": "f", "parameters": {}}]}),
+                "functions",
+            ),
+            (json!({"tool_choice": "required"}), "tool_choice"),
+            (
+                json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}),
+                "tool_choice",
+            ),
+            (
+                json!({"response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
+            (
+                json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
+                "response_format",
+            ),
+            (json!({"logit_bias": {"50256": -100}}), "logit_bias"),
+        ];
+        for (extra, param) in refused {
+            assert_eq!(chat(extra.clone()), Some(param), "{extra}");
+        }
+        assert_eq!(completion(json!({"suffix": "b"})), Some("suffix"));
+        assert_eq!(completion(json!({"best_of": 3})), Some("best_of"));
         assert_eq!(
-            chat(json!({"functions": [{"name": "f", "parameters": {}}]})),
-            Some("functions")
-        );
-        assert_eq!(
-            chat(json!({"tool_choice": "required"})),
-            Some("tool_choice")
-        );
-        assert_eq!(
-            chat(json!({"tool_choice": {"type": "function", "function": {"name": "f"}}})),
-            Some("tool_choice")
-        );
-        assert_eq!(
-            chat(json!({"response_format": {"type": "json_object"}})),
-            Some("response_format")
-        );
-        assert_eq!(
-            chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})),
-            Some("response_format")
-        );
-        assert_eq!(
-            chat(json!({"logit_bias": {"50256": -100}})),
-            Some("logit_bias")
-        );
-        assert_eq!(
-            completion_param(json!({"prompt": "a", "suffix": "b"})),
-            Some("suffix")
-        );
-        assert_eq!(
-            completion_param(json!({"prompt": "a", "best_of": 3})),
-            Some("best_of")
-        );
-        assert_eq!(
-            completion_param(json!({"prompt": "a", "logit_bias": {"1": 5}})),
+            completion(json!({"logit_bias": {"1": 5}})),
             Some("logit_bias")
         );
     }
 
     #[test]
     fn empty_or_default_forms_of_those_features_pass() {
-        let chat = |extra: Value| {
-            let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
-            body.as_object_mut()
-                .unwrap()
-                .extend(extra.as_object().unwrap().clone());
-            chat_param(body)
-        };
         for extra in [
             json!({}),
             json!({"tools": []}),
@@ -1174,11 +1168,7 @@ mod tests {
             json!({"best_of": 1}),
             json!({"suffix": null, "logit_bias": {}}),
         ] {
-            let mut body = json!({"prompt": "a"});
-            body.as_object_mut()
-                .unwrap()
-                .extend(extra.as_object().unwrap().clone());
-            assert_eq!(completion_param(body), None, "{extra}");
+            assert_eq!(completion(extra.clone()), None, "{extra}");
         }
     }
 }
