@@ -183,7 +183,7 @@ pub struct CompletionRequest {
     #[serde(default)]
     pub echo: bool,
     /// Insertion (text after the completion) and server-side best-of-n:
-    /// not implemented (see `refuse`).
+    /// not implemented, nor is `echo` (see `refuse`).
     pub suffix: Option<String>,
     pub best_of: Option<u32>,
     #[serde(flatten)]
@@ -193,6 +193,9 @@ pub struct CompletionRequest {
 impl CompletionRequest {
     /// Refuses what sluice does not implement (see `refuse`).
     pub fn refuse_unsupported(&self) -> Result<(), ApiError> {
+        if self.echo {
+            return refuse("echo", "echo");
+        }
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return refuse("suffix", "suffix");
         }
@@ -363,9 +366,6 @@ impl Frontend {
     /// Parses and validates a completions request.
     pub fn completion(&self, request: &CompletionRequest) -> Result<Prepared, ApiError> {
         request.refuse_unsupported()?;
-        if request.echo {
-            return Err(ApiError::invalid("echo is not supported", Some("echo")));
-        }
         let encode = |t: &str| {
             self.tokenizer
                 .encode(t)
@@ -1141,6 +1141,7 @@ mod tests {
         for (extra, param) in refused {
             assert_eq!(chat(extra.clone()), Some(param), "{extra}");
         }
+        assert_eq!(completion(json!({"echo": true})), Some("echo"));
         assert_eq!(completion(json!({"suffix": "b"})), Some("suffix"));
         assert_eq!(completion(json!({"best_of": 3})), Some("best_of"));
         assert_eq!(
@@ -1166,6 +1167,7 @@ mod tests {
         for extra in [
             json!({"suffix": ""}),
             json!({"best_of": 1}),
+            json!({"echo": false}),
             json!({"suffix": null, "logit_bias": {}}),
         ] {
             assert_eq!(completion(extra.clone()), None, "{extra}");
