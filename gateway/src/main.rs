@@ -389,6 +389,10 @@ enum Bench {
         /// `openai` (bodies forwarded, answers relayed, as the peers do).
         #[arg(long, value_enum, default_value = "sluice")]
         upstream_kind: WorkerKind,
+        /// The child's half of the relay target: relay bytes from LISTEN
+        /// to UPSTREAM until killed.
+        #[arg(long, hide = true, num_args = 2, value_names = ["LISTEN", "UPSTREAM"])]
+        relay_child: Option<Vec<std::net::SocketAddr>>,
     },
     /// Routing quality at fleet scale: multi-turn traces replayed through
     /// each policy (ours, and SGLang's and vLLM's routers when installed) in
@@ -797,8 +801,12 @@ fn run() -> anyhow::Result<()> {
                     seconds,
                     no_peer,
                     upstream_kind,
+                    relay_child,
                 },
         } => {
+            if let Some(&[listen, upstream]) = relay_child.as_deref() {
+                return Ok(sluice_gateway::bench::run_relay(listen, upstream)?);
+            }
             let options = GatewayBenchOptions {
                 model: model_path(model),
                 plugins_dir,

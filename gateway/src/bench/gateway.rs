@@ -1,7 +1,8 @@
 //! `sluice bench gateway`: what a gateway adds to a request. A minimal fast
 //! upstream (`super::upstream`, two instances) answers canned tokens; the
 //! same paced load goes to it directly, through `sluice serve` (a child
-//! process, with the kv-aware router plugin loaded), and through SGLang's
+//! process, with the kv-aware router plugin loaded), through a byte relay
+//! (`super::relay`: the floor any second process adds), and through SGLang's
 //! model gateway (`sglang-router`) and vLLM's router (`vllm-router`), both
 //! cache-aware, when they are installed. `sluice serve` treats the upstreams
 //! as sluice workers (token ids in) or, with `--upstream-kind openai`, as
@@ -278,6 +279,20 @@ fn start_sluice(
     Ok(ChildGuard(child))
 }
 
+/// Starts the floor target (`super::relay`) on `port`, relaying to `upstream`
+/// (`http://host:port`).
+fn start_relay(upstream: &str, port: u16) -> Result<ChildGuard, GatewayBenchError> {
+    let to = upstream.trim_start_matches("http://");
+    let child = Command::new(std::env::current_exe()?)
+        .args(["bench", "gateway", "--relay-child"])
+        .arg(format!("127.0.0.1:{port}"))
+        .arg(to)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()?;
+    Ok(ChildGuard(child))
+}
+
 /// The peer gateways: name, program and arguments before the common ones.
 const PEERS: [(&str, &str, &[&str]); 2] = [
     (
@@ -338,8 +353,13 @@ pub fn run_gateway_bench(
         let sluice = start_sluice(options, &upstreams, sluice_port, &dir)?;
         let sluice_url = format!("http://127.0.0.1:{sluice_port}");
         wait_ready(&client, &format!("{sluice_url}/health"), Duration::from_secs(60)).await.map_err(GatewayBenchError::NotReady)?;
+        let relay_port = free_port()?;
+        let relay = start_relay(&upstreams[0], relay_port)?;
+        let relay_url = format!("http://127.0.0.1:{relay_port}");
+        wait_ready(&client, &format!("{relay_url}/health"), Duration::from_secs(10)).await.map_err(GatewayBenchError::NotReady)?;
         let mut targets: Vec<(&str, String, Option<u32>)> = vec![
             ("direct", format!("{}/v1/chat/completions", upstreams[0]), None),
+            ("relay", format!("{relay_url}/v1/chat/completions"), Some(relay.0.id())),
             ("sluice", format!("{sluice_url}/v1/chat/completions"), Some(sluice.0.id())),
         ];
         let mut notes = Vec::new();
@@ -409,6 +429,7 @@ pub fn run_gateway_bench(
         }
         drop(peers);
         drop(sluice);
+        drop(relay);
         let _ = std::fs::remove_dir_all(&dir);
         let get = |mode: &str, target: &str| {
             figures
@@ -423,7 +444,8 @@ pub fn run_gateway_bench(
         let modes = [("non_streaming", ""), ("streaming", "stream_"), ("keepalive_streaming", "keepalive_")];
         for (mode, prefix) in modes {
             let Some(direct) = get(mode, "direct") else { continue };
-            for (target, name) in std::iter::once(("sluice", "")).chain(PEERS.iter().map(|(p, _, _)| (*p, *p))) {
+            let others = std::iter::once(("relay", "relay")).chain(PEERS.iter().map(|(p, _, _)| (*p, *p)));
+            for (target, name) in std::iter::once(("sluice", "")).chain(others) {
                 let Some(f) = get(mode, target) else { continue };
                 let key = |what: &str| match name {
                     "" => format!("{prefix}{what}"),
@@ -435,11 +457,17 @@ pub fn run_gateway_bench(
                     summary[key("cpu_us_per_req")] = json!(f.cpu);
                     summary[key("user_us_per_req")] = json!(f.user);
                 }
-                if let (Some(ours), false) = (get(mode, "sluice"), name.is_empty())
+                if let (Some(ours), false) = (get(mode, "sluice"), matches!(name, "" | "relay"))
                     && let (Some(a), Some(b)) = (ours.cpu, f.cpu)
                 {
                     summary[format!("{prefix}cpu_ratio_vs_{name}")] = json!(a / b);
                 }
+            }
+        }
+        // What sluice adds beyond the floor: its own share of the added latency.
+        for (mode, prefix) in modes {
+            if let (Some(ours), Some(floor)) = (get(mode, "sluice"), get(mode, "relay")) {
+                summary[format!("{prefix}added_p50_over_relay_us")] = json!(ours.p50 - floor.p50);
             }
         }
         if !notes.is_empty() {

@@ -8,6 +8,7 @@ mod fp4;
 mod fp4_gpu;
 mod gateway;
 mod plugins;
+mod relay;
 pub mod routing;
 mod transfer;
 pub mod upstream;
@@ -18,6 +19,7 @@ pub use fp4::{Fp4BenchOptions, run_fp4_accuracy_bench};
 pub use fp4_gpu::run_fp4_gpu_bench;
 pub use gateway::{GatewayBenchOptions, process_cpu_ns, run_gateway_bench};
 pub use plugins::{PluginBenchOptions, run_plugin_bench};
+pub use relay::run as run_relay;
 pub use routing::{RoutingBenchOptions, TraceChoice, run_routing_bench};
 pub use transfer::{TransferBenchOptions, run_transfer_bench};
 
