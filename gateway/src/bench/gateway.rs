@@ -63,8 +63,8 @@ pub enum GatewayBenchError {
         path: String,
         source: std::io::Error,
     },
-    #[error("sluice serve did not become ready: {0}")]
-    NotReady(String),
+    #[error("{what} did not become ready: {why}")]
+    NotReady { what: &'static str, why: String },
 }
 
 /// CPU time of every thread of `pid`, in ns (Linux schedstat).
@@ -352,11 +352,15 @@ pub fn run_gateway_bench(
         let sluice_port = free_port()?;
         let sluice = start_sluice(options, &upstreams, sluice_port, &dir)?;
         let sluice_url = format!("http://127.0.0.1:{sluice_port}");
-        wait_ready(&client, &format!("{sluice_url}/health"), Duration::from_secs(60)).await.map_err(GatewayBenchError::NotReady)?;
+        wait_ready(&client, &format!("{sluice_url}/health"), Duration::from_secs(60))
+            .await
+            .map_err(|why| GatewayBenchError::NotReady { what: "sluice serve", why })?;
         let relay_port = free_port()?;
         let relay = start_relay(&upstreams[0], relay_port)?;
         let relay_url = format!("http://127.0.0.1:{relay_port}");
-        wait_ready(&client, &format!("{relay_url}/health"), Duration::from_secs(10)).await.map_err(GatewayBenchError::NotReady)?;
+        wait_ready(&client, &format!("{relay_url}/health"), Duration::from_secs(10))
+            .await
+            .map_err(|why| GatewayBenchError::NotReady { what: "the relay", why })?;
         let mut targets: Vec<(&str, String, Option<u32>)> = vec![
             ("direct", format!("{}/v1/chat/completions", upstreams[0]), None),
             ("relay", format!("{relay_url}/v1/chat/completions"), Some(relay.0.id())),
