@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 root=$PWD
 gateway=${1:?sluice or sglang-router}
 out=$(mktemp -d /tmp/sluice-callgrind.XXXXXX)
-port=18080 up1=18091 up2=18092
+source bench/gateway_fixture.sh
 
 target/release/examples/fast_upstream $up1 $up2 &
 upstream=$!
@@ -23,17 +23,9 @@ sleep 0.5
 case $gateway in
 sluice)
   binary=${2:-target/dist/sluice}
-  mkdir -p "$out/plugins"
-  cp plugins/target/wasm32-wasip2/release/kv_aware.wasm "$out/plugins/router.wasm"
   # A 32 MiB plugin memory reservation: valgrind refuses wasmtime's default
   # (4 GiB and guards per instance); one server thread.
-  cat > "$out/gateway.toml" <<EOF
-listen = "127.0.0.1:$port"
-model = "$root/.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-served_model_name = "bench"
-workers = ["http://127.0.0.1:$up1", "http://127.0.0.1:$up2"]
-plugins_dir = "$out/plugins"
-admin_token = "bench-admin-token-0123456789"
+  write_gateway_config "$out" <<EOF
 plugin_memory_reservation = 33554432
 threads = 1
 EOF
@@ -54,10 +46,7 @@ sglang-router)
   ;;
 esac
 gw=$!
-for _ in $(seq 1 120); do
-  curl -s -m 2 -o /dev/null "127.0.0.1:$port/v1/models" && break
-  sleep 2
-done
+wait_gateway
 
 for mode in "" s; do
   python3 bench/gateway_load.py $port 200 $mode > /dev/null

@@ -15,28 +15,17 @@ root=$PWD
 binary=${1:?the instrumented sluice binary}
 raw=${2:?where the .profraw goes}
 out=$(mktemp -d /tmp/sluice-pgo.XXXXXX)
-port=18080 up1=18091 up2=18092
+source bench/gateway_fixture.sh
 
 target/release/examples/fast_upstream $up1 $up2 &
 upstream=$!
 trap 'kill $upstream 2>/dev/null; [ -n "${gw:-}" ] && kill $gw 2>/dev/null; true' EXIT
-mkdir -p "$out/plugins" "$raw"
-cp plugins/target/wasm32-wasip2/release/kv_aware.wasm "$out/plugins/router.wasm"
-cat > "$out/gateway.toml" <<EOC
-listen = "127.0.0.1:$port"
-model = "$root/.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-served_model_name = "bench"
-workers = ["http://127.0.0.1:$up1", "http://127.0.0.1:$up2"]
-plugins_dir = "$out/plugins"
-admin_token = "bench-admin-token-0123456789"
-EOC
+mkdir -p "$raw"
+write_gateway_config "$out" < /dev/null
 LLVM_PROFILE_FILE="$raw/sluice-%p.profraw" RUST_LOG=warn "$binary" serve --config "$out/gateway.toml" \
   > "$out/gateway.log" 2>&1 &
 gw=$!
-for _ in $(seq 1 120); do
-  curl -s -m 2 -o /dev/null "127.0.0.1:$port/v1/models" && break
-  sleep 1
-done
+wait_gateway
 for _ in 1 2; do
   python3 bench/gateway_load.py $port 1500 &
   plain=$!
