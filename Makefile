@@ -17,7 +17,8 @@ MODEL_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 .PHONY: setup toolchain model data nvrtc kernels plugins build pgo-profile run test lint test-rust test-plugins bench-plugins bench-gateway bench-routing fmt clean
 
 ## setup: Rust target and components, the model, the plugin components, the
-## `sluice` binary (profile `dist`: release with whole-program LTO)
+## `sluice` binary (profile `dist`: release with whole-program LTO, and
+## profile-guided, see `build`)
 setup: toolchain model plugins build
 
 toolchain:
