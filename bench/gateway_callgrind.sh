@@ -15,9 +15,7 @@ gateway=${1:?sluice or sglang-router}
 out=$(mktemp -d /tmp/sluice-callgrind.XXXXXX)
 source bench/gateway_fixture.sh
 
-target/release/examples/fast_upstream $up1 $up2 &
-upstream=$!
-trap 'kill $upstream 2>/dev/null; [ -n "${gw:-}" ] && kill $gw 2>/dev/null; true' EXIT
+start_upstream
 sleep 0.5
 
 case $gateway in

@@ -4,6 +4,15 @@
 # router plugin). Expects $root (the repository) and sets port, up1, up2.
 port=18080 up1=18091 up2=18092
 
+# Starts the fast upstream on $up1 and $up2 (`cargo build --release -p
+# sluice-gateway --example fast_upstream`), and a trap that stops it and the
+# gateway ($gw, where set) when the script exits.
+start_upstream() {
+  "$root/target/release/examples/fast_upstream" $up1 $up2 &
+  upstream=$!
+  trap 'kill $upstream 2>/dev/null; [ -n "${gw:-}" ] && kill $gw 2>/dev/null; true' EXIT
+}
+
 # Writes DIR/gateway.toml (and the plugin into DIR/plugins); extra config
 # lines come on stdin.
 write_gateway_config() {

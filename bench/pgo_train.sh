@@ -17,9 +17,7 @@ raw=${2:?where the .profraw goes}
 out=$(mktemp -d /tmp/sluice-pgo.XXXXXX)
 source bench/gateway_fixture.sh
 
-target/release/examples/fast_upstream $up1 $up2 &
-upstream=$!
-trap 'kill $upstream 2>/dev/null; [ -n "${gw:-}" ] && kill $gw 2>/dev/null; true' EXIT
+start_upstream
 mkdir -p "$raw"
 write_gateway_config "$out" < /dev/null
 LLVM_PROFILE_FILE="$raw/sluice-%p.profraw" RUST_LOG=warn "$binary" serve --config "$out/gateway.toml" \
