@@ -19,7 +19,8 @@
 // Q, K and V say, run as one).
 //
 // A block of 8 warps takes 16-row tiles (blockIdx.y, + gridDim.y, ...: the
-// grid is as many blocks as the GPU holds at once) and NT * 8 tokens
+// grid is as many blocks as the GPU holds at once; at 16 tokens pairs of
+// tiles, TILES in fp4_gemv) and NT * 8 tokens
 // (blockIdx.x); its warps split a tile's columns in chunks of 128 (warp w
 // takes chunks w, w + 8, ...), each one contiguous KB of codes in the tiled
 // layout (below), copying the next chunk while multiplying this one (the
@@ -405,12 +406,21 @@ __device__ __forceinline__ void fp4_fused_store(const Fp4Epilogue& epi, float (*
     }
 }
 
-template <bool NV, int NT, int MODE = FP4_PLAIN>
+// TILES = 2 (the 16-token kernel; fp4.rs, gemv_tiles): a warp's item is the
+// same chunk of two adjacent row tiles, multiplied with the same x, so x is
+// loaded once for both. Each tile's sums are taken as with TILES = 1 (the
+// same bits). At 16 tokens x is 4 times the bytes of a chunk's codes, and
+// with one tile an item its loads kept the L1 71-85% busy, the busiest of
+// the SM's units; in pairs an 8B layer's GEMVs ran 1,198-1,206 -> 1,529-1,541
+// GB/s on an H100 (at 8 tokens pairs lost 2-3%; BENCHMARKS.md).
+template <bool NV, int NT, int MODE = FP4_PLAIN, int TILES = 1>
 __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
                                          const float* __restrict__ row_scale, const bf16* __restrict__ x,
                                          float* __restrict__ y, int n, int rows, int cols, float out_pow2, int shift,
                                          int accumulate, const Fp4Epilogue& epi = Fp4Epilogue{}) {
     static_assert(MODE == FP4_PLAIN || NT == 1, "the fused epilogues take one token");
+    static_assert(TILES == 1 || (TILES == 2 && MODE == FP4_PLAIN), "pairs of tiles in the plain kernels only");
+    constexpr u32 STAGE_BYTES = TILES * GEMV_STAGE_BYTES;  // a warp's stage: the tiles' chunks one after another
     constexpr bool NORM = MODE == FP4_NORM_ROPE || MODE == FP4_NORM_SWIGLU;
     constexpr int SCALE_ROW = fp4_scale_row<NV>();
     constexpr u32 ITEM_SCALES = 16 * SCALE_ROW;  // a chunk's scale bytes
@@ -437,17 +447,19 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     n -= tok0;
     const int chunks = (cols + 127) >> 7, tiles = (rows + 15) >> 4;
     // This warp's chunks of a tile (warp, warp + 8, ...) and this block's
-    // tiles (blockIdx.y, + gridDim.y, ...); item i is chunk i % per_tile of
-    // the block's tile i / per_tile.
+    // groups of TILES tiles (group blockIdx.y, + gridDim.y, ...: tiles
+    // TILES * group ..); item i is chunk i % per_tile of the block's group i
+    // / per_tile.
     const int per_tile = warp < chunks ? (chunks - warp + GEMV_WARPS - 1) / GEMV_WARPS : 0;
-    const int my_tiles = (int)blockIdx.y < tiles ? (tiles - (int)blockIdx.y + (int)gridDim.y - 1) / (int)gridDim.y : 0;
-    const int items = per_tile * my_tiles;
+    const int groups = (tiles + TILES - 1) / TILES;
+    const int my_groups = (int)blockIdx.y < groups ? (groups - (int)blockIdx.y + (int)gridDim.y - 1) / (int)gridDim.y : 0;
+    const int items = per_tile * my_groups;
     // This lane's places in its warp's stage 0 (shared addresses): the 16
     // bytes it copies of an item's codes (and 512 on), and of its scales
     // (1024 on, lanes under ITEM_SCALES / 16); the codes and scale bytes it
     // reads of its rows a and b. (Opaque: the compiler would recompute them
     // from threadIdx every chunk.)
-    const u32 warp_smem = smem_u32(smem) + warp * GEMV_STAGES * GEMV_STAGE_BYTES;
+    const u32 warp_smem = smem_u32(smem) + warp * GEMV_STAGES * STAGE_BYTES;
     const int la = fp4_tile_row<MODE>(0, g), lb = la + fp4_b_rows<MODE>();
     const u32 copy_at = opaque(warp_smem + 16 * lane);
     const u32 codes_a = opaque(warp_smem + 64 * fp4_slot(la) + 16 * t);
@@ -513,13 +525,16 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
         }
     };
 
-    // The next item to copy: how many were, how many of its tile are left,
+    // The next item to copy: how many were, how many of its group are left,
     // where this lane copies from (32-bit offsets: a matrix's codes stay
-    // under 4 GB, fp4.rs checks). Lanes past the scales' bytes copy none: a
-    // predicate, not a branch that splits the warp.
+    // under 4 GB, fp4.rs checks) and, with pairs, how many chunks past the
+    // first tile's chunk the second's is (0 past the last tile: the first's
+    // copied again, its sums never stored). Lanes past the scales' bytes copy
+    // none: a predicate, not a branch that splits the warp.
     const unsigned char* src_c = codes;
     const unsigned char* src_s = scales;
-    int issued = 0, tile_left = 0, next_tile = blockIdx.y, write_stage = 0, read_stage = 0;
+    int issued = 0, tile_left = 0, next_group = blockIdx.y, write_stage = 0, read_stage = 0;
+    u32 second = 0;
     const u32 copies_scales = opaque((u32)(lane < ITEM_SCALES / 16));
     // (bit k: this lane copies its row lane / 16 + 2k; one row: lanes 16-31)
     u32 rows_under_n = 0;
@@ -533,18 +548,25 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     auto issue = [&]() {
         if (issued < items) {
             if (tile_left == 0) {
-                const u32 item = (u32)next_tile * (u32)chunks + warp;
+                const u32 item = (u32)(next_group * TILES) * (u32)chunks + warp;
                 src_c = codes + item * 1024u + 16 * lane;
                 src_s = scales + item * ITEM_SCALES + 16 * lane;
                 x_col_copy = warp * 128 + 8 * (lane & 15);
                 src_x = x + x_col_copy + (X_ROWS > 1 ? (u64)(lane >> 4) * cols : 0);
+                if (TILES == 2) second = next_group * 2 + 1 < tiles ? (u32)chunks : 0u;
                 tile_left = per_tile;
-                next_tile += gridDim.y;
+                next_group += gridDim.y;
             }
-            const u32 at = copy_at + write_stage * GEMV_STAGE_BYTES;
+            const u32 at = copy_at + write_stage * STAGE_BYTES;
             cp_async16_shared(at, src_c, 16);
             cp_async16_shared(at + 512, src_c + 512, 16);
             cp_async_if<16>(copies_scales, at + 1024, src_s);
+            if (TILES == 2) {
+                const unsigned char* c2 = src_c + second * 1024u;
+                cp_async16_shared(at + GEMV_STAGE_BYTES, c2, 16);
+                cp_async16_shared(at + GEMV_STAGE_BYTES + 512, c2 + 512, 16);
+                cp_async_if<16>(copies_scales, at + GEMV_STAGE_BYTES + 1024, src_s + second * ITEM_SCALES);
+            }
             if (X_SMEM) {  // x's columns past cols (a partial last chunk) as zeros
                 const bool in = x_col_copy < cols;  // (and a source inside x either way)
                 const u32 x_at = x_copy_at + write_stage * X_STAGE;
@@ -572,10 +594,17 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     // The tiles, with x's loads bounded where the last chunk is partial.
     auto run = [&](auto whole_chunks) {
         [[maybe_unused]] constexpr bool WHOLE = decltype(whole_chunks)::value;  // (unused with X_SMEM)
-        for (int tl = 0; tl < my_tiles; tl++) {
-            const int ra = fp4_tile_row<MODE>((int)blockIdx.y + tl * (int)gridDim.y, g), rb = ra + fp4_b_rows<MODE>();
-            const Fp4TileIn in = warp == 0 ? fp4_tile_in<MODE>(epi, row_scale, y, ra, rb, rows) : Fp4TileIn{};
-            float acc[NT][4] = {};
+        for (int tl = 0; tl < my_groups; tl++) {
+            const int tile = ((int)blockIdx.y + tl * (int)gridDim.y) * TILES;
+            int ra[TILES], rb[TILES];
+            Fp4TileIn in[TILES];
+#pragma unroll
+            for (int k = 0; k < TILES; k++) {
+                ra[k] = fp4_tile_row<MODE>(tile + k, g);
+                rb[k] = ra[k] + fp4_b_rows<MODE>();
+                in[k] = warp == 0 ? fp4_tile_in<MODE>(epi, row_scale, y, ra[k], rb[k], rows) : Fp4TileIn{};
+            }
+            float acc[TILES][NT][4] = {};
             for (int j = 0, xo = 0; j < per_tile; j++, xo += GEMV_WARPS * 128) {
                 uint4 xv[NT][4];
                 if constexpr (X_SMEM) {
@@ -589,12 +618,19 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                         for (int i = 0; i < 4; i++) xv[nt][i] = make_uint4(0, 0, 0, 0);
                 }
                 issue();
-                const u32 stage = read_stage * GEMV_STAGE_BYTES;
+                const u32 stage = read_stage * STAGE_BYTES;
                 asm volatile("cp.async.wait_group %0;" ::"n"(GEMV_STAGES - 1));
                 __syncwarp();  // the item is in, the scales copied by other lanes too
-                const uint4 wa = lds128(codes_a + stage), wb = lds128(codes_b + stage);
-                const u32 sa = NV ? lds_u16(scales_a + stage) : lds_u8(scales_a + stage);
-                const u32 sb = NV ? lds_u16(scales_b + stage) : lds_u8(scales_b + stage);
+                uint4 wa[TILES], wb[TILES];
+                u32 sa[TILES], sb[TILES];
+#pragma unroll
+                for (int k = 0; k < TILES; k++) {
+                    const u32 at = stage + k * GEMV_STAGE_BYTES;
+                    wa[k] = lds128(codes_a + at);
+                    wb[k] = lds128(codes_b + at);
+                    sa[k] = NV ? lds_u16(scales_a + at) : lds_u8(scales_a + at);
+                    sb[k] = NV ? lds_u16(scales_b + at) : lds_u8(scales_b + at);
+                }
                 if (X_SMEM) {
                     const u32 xs = x_read_at + read_stage * X_STAGE;
 #pragma unroll
@@ -602,9 +638,12 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                 }
                 read_stage = gemv_next_stage(read_stage);
                 __syncwarp();  // every lane has read the stage before the next issue refills it
-                fp4_chunk_mma<NV, NT>(acc, wa, wb, sa, sb, xv);
+#pragma unroll
+                for (int k = 0; k < TILES; k++) fp4_chunk_mma<NV, NT>(acc[k], wa[k], wb[k], sa[k], sb[k], xv);
             }
-            finish_tile(tl, ra, rb, in, acc);
+#pragma unroll
+            for (int k = 0; k < TILES; k++)
+                if (k == 0 || tile + k < tiles) finish_tile(tl * TILES + k, ra[k], rb[k], in[k], acc[k]);
         }
     };
     if ((cols & 127) == 0)
@@ -615,18 +654,19 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
 }
 
 // cols a multiple of 32; 8 (n8) or 16 (n16) tokens a block (blockIdx.x), a
-// grid of as many blocks as an SM holds at once over the row tiles
-// (blockIdx.y), GEMV_WARPS * GEMV_STAGES * GEMV_STAGE_BYTES of dynamic
-// shared memory (fp4.rs).
+// grid of as many blocks as an SM holds at once over the row tiles (pairs of
+// them at 16 tokens; blockIdx.y), TILES * GEMV_WARPS * GEMV_STAGES *
+// GEMV_STAGE_BYTES of dynamic shared memory (fp4.rs).
 #define FP4_ARGS const unsigned char *__restrict__ codes, const unsigned char *__restrict__ scales, \
                  const float *__restrict__ row_scale, const bf16 *__restrict__ x, float *__restrict__ y, int n, \
                  int rows, int cols, float out_pow2, int shift, int accumulate
 #define FP4_PASS codes, scales, row_scale, x, y, n, rows, cols, out_pow2, shift, accumulate
 // Blocks an SM (fp4.rs asks the driver how many fit and launches as many):
 // 3, at up to 80 registers (at 64, for 4, the second token tile's
-// accumulators and x spill, and the 8-token kernel recomputes more).
+// accumulators and x spill, and the 8-token kernel recomputes more); the
+// 16-token kernel, with two row tiles' sums and codes, 2 (~116 registers).
 #define FP4_GEMV_N8 __launch_bounds__(GEMV_WARPS * 32, 3)
-#define FP4_GEMV_N16 __launch_bounds__(GEMV_WARPS * 32, 3)
+#define FP4_GEMV_N16 __launch_bounds__(GEMV_WARPS * 32, 2)
 // The norm + SwiGLU kernel (gate/up: 1,792 row tiles for an 8B model, more
 // than the blocks that fit, so a block takes 4 or 5 at 3 an SM, 3 or 4 at 4)
 // fits 64 registers without spilling and runs 4 an SM: batch 1 +1.4-1.7%
@@ -638,7 +678,7 @@ extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_mx_n8(FP4_ARGS) {
 }
 extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_mx_n16(FP4_ARGS) {
     wait_for_previous_kernels();
-    fp4_gemv<false, 2>(FP4_PASS);
+    fp4_gemv<false, 2, FP4_PLAIN, 2>(FP4_PASS);
 }
 extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_nv_n8(FP4_ARGS) {
     wait_for_previous_kernels();
@@ -646,7 +686,7 @@ extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_nv_n8(FP4_ARGS) {
 }
 extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_nv_n16(FP4_ARGS) {
     wait_for_previous_kernels();
-    fp4_gemv<true, 2>(FP4_PASS);
+    fp4_gemv<true, 2, FP4_PLAIN, 2>(FP4_PASS);
 }
 
 // The fused one-token kernels (FP4_NORM_ROPE and kin above): the GEMV's

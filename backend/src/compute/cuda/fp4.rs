@@ -31,12 +31,23 @@ fn gemv_tokens_per_block(n: usize) -> usize {
     if n <= 8 { 8 } else { 16 }
 }
 
+/// Row tiles a warp's item takes in the GEMV for blocks of `tokens` tokens
+/// (`fp4.cu`'s TILES): two at 16 tokens, where x is 4 times a chunk's bytes
+/// and a pair loads it once for both (an 8B layer's GEMVs 1,198-1,206 ->
+/// 1,529-1,541 GB/s on an H100; at 8 tokens pairs read 2-3% slower;
+/// BENCHMARKS.md), else one.
+fn gemv_tiles(tokens: usize) -> u32 {
+    if tokens == 16 { 2 } else { 1 }
+}
+
 /// Warps per block of the kernels (`fp4.cu`'s GEMV_WARPS).
 const FP4_WARPS: u32 = 8;
 
 /// The GEMV's shared memory for its copy pipeline (`fp4.cu`: GEMV_WARPS x
-/// GEMV_STAGES x GEMV_STAGE_BYTES).
-const GEMV_SMEM: u32 = FP4_WARPS * 2 * (1024 + 128);
+/// GEMV_STAGES x GEMV_STAGE_BYTES, times the row tiles a warp's item takes).
+const fn gemv_smem(tiles: u32) -> u32 {
+    tiles * FP4_WARPS * 2 * (1024 + 128)
+}
 
 /// Tokens a GEMM block takes (`fp4.cu`'s GEMM_TOKENS) and rows (a 16-row
 /// tile per warp).
@@ -354,8 +365,9 @@ impl Fp4Weights {
         if n == 0 {
             return Ok(());
         }
-        let kernel = format!("n{}", gemv_tokens_per_block(n));
-        self.launch_gemv(gpu, &kernel, x, y, n, accumulate, &[])
+        let tokens = gemv_tokens_per_block(n);
+        let kernel = format!("n{tokens}");
+        self.launch_gemv(gpu, &kernel, gemv_tiles(tokens), x, y, n, accumulate, &[])
     }
 
     /// One token's GEMV with a fused epilogue (`fp4.cu`'s FP4_NORM_ROPE and
@@ -377,16 +389,27 @@ impl Fp4Weights {
                 self.rows
             )));
         }
-        self.launch_gemv(gpu, &format!("{kernel}_n1"), x, y, 1, accumulate, epilogue)
+        self.launch_gemv(
+            gpu,
+            &format!("{kernel}_n1"),
+            1,
+            x,
+            y,
+            1,
+            accumulate,
+            epilogue,
+        )
     }
 
     /// Launches `fp4_gemv_{mx|nv}_{kernel}` with the GEMV's parameters, then
-    /// `extra`: as many blocks as the GPU holds at once, walking the row tiles.
+    /// `extra`: as many blocks as the GPU holds at once, walking the row tiles
+    /// in groups of `tiles` (the kernel's TILES).
     #[allow(clippy::too_many_arguments)]
     fn launch_gemv(
         &self,
         gpu: &Gpu,
         kernel: &str,
+        tiles: u32,
         x: DevPtr,
         y: DevPtr,
         n: usize,
@@ -406,8 +429,10 @@ impl Fp4Weights {
                 self.rows, self.cols
             )));
         }
-        let resident = gpu.sm_count * gpu.blocks_per_sm(&name, FP4_WARPS * 32, GEMV_SMEM)?;
-        let row_blocks = (self.rows.div_ceil(16) as u32).clamp(1, resident.max(1));
+        let smem = gemv_smem(tiles);
+        let resident = gpu.sm_count * gpu.blocks_per_sm(&name, FP4_WARPS * 32, smem)?;
+        let groups = self.rows.div_ceil(16).div_ceil(tiles as usize) as u32;
+        let row_blocks = groups.clamp(1, resident.max(1));
         let (codes, scales, row_scale) = (
             gpu.ptr(&self.codes, 0),
             gpu.ptr(&self.scales, 0),
@@ -436,7 +461,7 @@ impl Fp4Weights {
         // fused kernels' callers vouch for (layers.rs).
         gpu.launch(
             &name,
-            grid((token_blocks, row_blocks, 1), FP4_WARPS * 32, GEMV_SMEM),
+            grid((token_blocks, row_blocks, 1), FP4_WARPS * 32, smem),
             &args,
         )
     }

@@ -883,7 +883,8 @@ fn fp4_gemv_matches_the_cpu_reference() {
     // columns); these run the GEMV's token counts only. The
     // tiled layout pads rows to 16 and columns to 128 (24 x 96, 8 x 608, 40
     // rows, 1,088 columns); x's loads are bounded only where the last chunk
-    // is partial.
+    // is partial. The 16-token GEMV takes row tiles in pairs: an odd number
+    // of tiles (40 and 8 rows, `tall`) leaves its last pair without a second.
     let tall = 16 * 4 * gpu.sm_count as usize + 40;
     let whole_tall = tall - 40;
     for (rows, cols) in [
