@@ -1,7 +1,8 @@
-# Sourced by bench/gateway_callgrind.sh and bench/pgo_train.sh: the gateway
-# benchmark's fixture outside `sluice bench gateway` (its fast upstream, two
-# instances, and a `sluice serve` config in front of them with the kv-aware
-# router plugin). Expects $root (the repository) and sets port, up1, up2.
+# Sourced by bench/gateway_callgrind.sh, bench/gateway_syscalls.sh and
+# bench/pgo_train.sh: the gateway benchmark's fixture outside `sluice bench
+# gateway` (its fast upstream, two instances, and a `sluice serve` config in
+# front of them with the kv-aware router plugin). Expects $root (the
+# repository) and sets port, up1, up2.
 port=18080 up1=18091 up2=18092
 
 # Starts the fast upstream on $up1 and $up2 (`cargo build --release -p
