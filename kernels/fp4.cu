@@ -435,7 +435,9 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     // this way; BENCHMARKS.md). The 8-token kernel stages its 8 token rows
     // the same way (batch 8: 2,455 -> 2,690 tok/s); the 16-token one, whose
     // 16 rows would pass the 48 KB of static shared memory, loads x straight
-    // into registers.
+    // into registers, once for two row tiles (TILES above; 16 rows staged in
+    // dynamic shared memory gave nothing: the L1 then carries the copy and
+    // the reads, BENCHMARKS.md).
     constexpr int X_ROWS = MODE != FP4_PLAIN ? 1 : NT == 1 ? 8 : 0;
     constexpr bool X_SMEM = X_ROWS > 0;
     constexpr int X_ROW = gemv_x_row_bytes<X_ROWS>(), X_STAGE = X_ROWS * X_ROW;
