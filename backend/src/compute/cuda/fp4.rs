@@ -365,9 +365,8 @@ impl Fp4Weights {
         if n == 0 {
             return Ok(());
         }
-        let tokens = gemv_tokens_per_block(n);
-        let kernel = format!("n{tokens}");
-        self.launch_gemv(gpu, &kernel, gemv_tiles(tokens), x, y, n, accumulate, &[])
+        let kernel = format!("n{}", gemv_tokens_per_block(n));
+        self.launch_gemv(gpu, &kernel, x, y, n, accumulate, &[])
     }
 
     /// One token's GEMV with a fused epilogue (`fp4.cu`'s FP4_NORM_ROPE and
@@ -389,27 +388,17 @@ impl Fp4Weights {
                 self.rows
             )));
         }
-        self.launch_gemv(
-            gpu,
-            &format!("{kernel}_n1"),
-            1,
-            x,
-            y,
-            1,
-            accumulate,
-            epilogue,
-        )
+        self.launch_gemv(gpu, &format!("{kernel}_n1"), x, y, 1, accumulate, epilogue)
     }
 
     /// Launches `fp4_gemv_{mx|nv}_{kernel}` with the GEMV's parameters, then
     /// `extra`: as many blocks as the GPU holds at once, walking the row tiles
-    /// in groups of `tiles` (the kernel's TILES).
+    /// in groups of `gemv_tiles` (the kernel's TILES).
     #[allow(clippy::too_many_arguments)]
     fn launch_gemv(
         &self,
         gpu: &Gpu,
         kernel: &str,
-        tiles: u32,
         x: DevPtr,
         y: DevPtr,
         n: usize,
@@ -421,7 +410,9 @@ impl Fp4Weights {
             Fp4Format::Mxfp4 => format!("fp4_gemv_mx_{kernel}"),
             Fp4Format::Nvfp4 => format!("fp4_gemv_nv_{kernel}"),
         };
-        let token_blocks = n.div_ceil(gemv_tokens_per_block(n)) as u32;
+        let tokens = gemv_tokens_per_block(n);
+        let token_blocks = n.div_ceil(tokens) as u32;
+        let tiles = gemv_tiles(tokens);
         // The kernel addresses a matrix's codes with 32-bit offsets.
         if self.codes.len() > u32::MAX as usize {
             return Err(GpuError::Other(format!(
