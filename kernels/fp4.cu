@@ -19,8 +19,8 @@
 // Q, K and V say, run as one).
 //
 // A block of 8 warps takes 16-row tiles (blockIdx.y, + gridDim.y, ...: the
-// grid is as many blocks as the GPU holds at once; at 16 tokens pairs of
-// tiles, TILES in fp4_gemv) and NT * 8 tokens
+// grid is as many blocks as the GPU holds at once; at 16 tokens groups of
+// two or three tiles, TILES in fp4_gemv) and NT * 8 tokens
 // (blockIdx.x); its warps split a tile's columns in chunks of 128 (warp w
 // takes chunks w, w + 8, ...), each one contiguous KB of codes in the tiled
 // layout (below), copying the next chunk while multiplying this one (the
@@ -406,20 +406,22 @@ __device__ __forceinline__ void fp4_fused_store(const Fp4Epilogue& epi, float (*
     }
 }
 
-// TILES = 2 (the 16-token kernel; fp4.rs, gemv_tiles): a warp's item is the
-// same chunk of two adjacent row tiles, multiplied with the same x, so x is
-// loaded once for both. Each tile's sums are taken as with TILES = 1 (the
-// same bits). At 16 tokens x is 4 times the bytes of a chunk's codes, and
-// with one tile an item its loads kept the L1 71-85% busy, the busiest of
+// TILES = 2 or 3 (the 16-token kernels; fp4.rs, gemv_tiles): a warp's item
+// is the same chunk of TILES adjacent row tiles, multiplied with the same x,
+// so x is loaded once for all. Each tile's sums are taken as with TILES = 1
+// (the same bits). At 16 tokens x is 4 times the bytes of a chunk's codes,
+// and with one tile an item its loads kept the L1 71-85% busy, the busiest of
 // the SM's units; in pairs an 8B layer's GEMVs ran 1,198-1,206 -> 1,529-1,541
-// GB/s on an H100 (at 8 tokens pairs lost 2-3%; BENCHMARKS.md).
+// GB/s on an H100, and threes read gate/up and qkv 8-10% faster again, but
+// leave a third of the SMs idle on a 4,096-row matrix (at 8 tokens pairs
+// lost 2-3%; four tiles spill; BENCHMARKS.md).
 template <bool NV, int NT, int MODE = FP4_PLAIN, int TILES = 1>
 __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
                                          const float* __restrict__ row_scale, const bf16* __restrict__ x,
                                          float* __restrict__ y, int n, int rows, int cols, float out_pow2, int shift,
                                          int accumulate, const Fp4Epilogue& epi = Fp4Epilogue{}) {
     static_assert(MODE == FP4_PLAIN || NT == 1, "the fused epilogues take one token");
-    static_assert(TILES == 1 || (TILES == 2 && MODE == FP4_PLAIN), "pairs of tiles in the plain kernels only");
+    static_assert(TILES == 1 || (TILES <= 3 && MODE == FP4_PLAIN), "groups of tiles in the plain kernels only");
     constexpr u32 STAGE_BYTES = TILES * GEMV_STAGE_BYTES;  // a warp's stage: the tiles' chunks one after another
     constexpr bool NORM = MODE == FP4_NORM_ROPE || MODE == FP4_NORM_SWIGLU;
     constexpr int SCALE_ROW = fp4_scale_row<NV>();
@@ -529,14 +531,14 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
 
     // The next item to copy: how many were, how many of its group are left,
     // where this lane copies from (32-bit offsets: a matrix's codes stay
-    // under 4 GB, fp4.rs checks) and, with pairs, how many chunks past the
-    // first tile's chunk the second's is (0 past the last tile: the first's
-    // copied again, its sums never stored). Lanes past the scales' bytes copy
-    // none: a predicate, not a branch that splits the warp.
+    // under 4 GB, fp4.rs checks) and, with groups of tiles, how many of its
+    // group's tiles there are (a tile past the last copies the first's chunk
+    // again, its sums never stored). Lanes past the scales' bytes copy none:
+    // a predicate, not a branch that splits the warp.
     const unsigned char* src_c = codes;
     const unsigned char* src_s = scales;
     int issued = 0, tile_left = 0, next_group = blockIdx.y, write_stage = 0, read_stage = 0;
-    u32 second = 0;
+    int group_tiles = 1;
     const u32 copies_scales = opaque((u32)(lane < ITEM_SCALES / 16));
     // (bit k: this lane copies its row lane / 16 + 2k; one row: lanes 16-31)
     u32 rows_under_n = 0;
@@ -555,7 +557,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                 src_s = scales + item * ITEM_SCALES + 16 * lane;
                 x_col_copy = warp * 128 + 8 * (lane & 15);
                 src_x = x + x_col_copy + (X_ROWS > 1 ? (u64)(lane >> 4) * cols : 0);
-                if (TILES == 2) second = next_group * 2 + 1 < tiles ? (u32)chunks : 0u;
+                if (TILES > 1) group_tiles = min(TILES, tiles - next_group * TILES);
                 tile_left = per_tile;
                 next_group += gridDim.y;
             }
@@ -563,11 +565,13 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
             cp_async16_shared(at, src_c, 16);
             cp_async16_shared(at + 512, src_c + 512, 16);
             cp_async_if<16>(copies_scales, at + 1024, src_s);
-            if (TILES == 2) {
-                const unsigned char* c2 = src_c + second * 1024u;
-                cp_async16_shared(at + GEMV_STAGE_BYTES, c2, 16);
-                cp_async16_shared(at + GEMV_STAGE_BYTES + 512, c2 + 512, 16);
-                cp_async_if<16>(copies_scales, at + GEMV_STAGE_BYTES + 1024, src_s + second * ITEM_SCALES);
+#pragma unroll
+            for (int k = 1; k < TILES; k++) {  // tile k of the group, chunks apart
+                const u32 next = (u32)(k < group_tiles ? k : 0) * (u32)chunks;
+                const unsigned char* ck = src_c + next * 1024u;
+                cp_async16_shared(at + k * GEMV_STAGE_BYTES, ck, 16);
+                cp_async16_shared(at + k * GEMV_STAGE_BYTES + 512, ck + 512, 16);
+                cp_async_if<16>(copies_scales, at + k * GEMV_STAGE_BYTES + 1024, src_s + next * ITEM_SCALES);
             }
             if (X_SMEM) {  // x's columns past cols (a partial last chunk) as zeros
                 const bool in = x_col_copy < cols;  // (and a source inside x either way)
@@ -623,25 +627,40 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                 const u32 stage = read_stage * STAGE_BYTES;
                 asm volatile("cp.async.wait_group %0;" ::"n"(GEMV_STAGES - 1));
                 __syncwarp();  // the item is in, the scales copied by other lanes too
-                uint4 wa[TILES], wb[TILES];
-                u32 sa[TILES], sb[TILES];
+                if constexpr (TILES <= 2) {
+                    uint4 wa[TILES], wb[TILES];
+                    u32 sa[TILES], sb[TILES];
 #pragma unroll
-                for (int k = 0; k < TILES; k++) {
-                    const u32 at = stage + k * GEMV_STAGE_BYTES;
-                    wa[k] = lds128(codes_a + at);
-                    wb[k] = lds128(codes_b + at);
-                    sa[k] = NV ? lds_u16(scales_a + at) : lds_u8(scales_a + at);
-                    sb[k] = NV ? lds_u16(scales_b + at) : lds_u8(scales_b + at);
+                    for (int k = 0; k < TILES; k++) {
+                        const u32 at = stage + k * GEMV_STAGE_BYTES;
+                        wa[k] = lds128(codes_a + at);
+                        wb[k] = lds128(codes_b + at);
+                        sa[k] = NV ? lds_u16(scales_a + at) : lds_u8(scales_a + at);
+                        sb[k] = NV ? lds_u16(scales_b + at) : lds_u8(scales_b + at);
+                    }
+                    if (X_SMEM) {
+                        const u32 xs = x_read_at + read_stage * X_STAGE;
+#pragma unroll
+                        for (int i = 0; i < 4; i++) xv[0][i] = lds128(xs + 16 * i);
+                    }
+                    read_stage = gemv_next_stage(read_stage);
+                    __syncwarp();  // every lane has read the stage before the next issue refills it
+#pragma unroll
+                    for (int k = 0; k < TILES; k++) fp4_chunk_mma<NV, NT>(acc[k], wa[k], wb[k], sa[k], sb[k], xv);
+                } else {
+                    // Three tiles: each tile's codes read just before its
+                    // mmas (read all first, they and the sums spill past 128
+                    // registers).
+#pragma unroll
+                    for (int k = 0; k < TILES; k++) {
+                        const u32 at = stage + k * GEMV_STAGE_BYTES;
+                        const u32 sa = NV ? lds_u16(scales_a + at) : lds_u8(scales_a + at);
+                        const u32 sb = NV ? lds_u16(scales_b + at) : lds_u8(scales_b + at);
+                        fp4_chunk_mma<NV, NT>(acc[k], lds128(codes_a + at), lds128(codes_b + at), sa, sb, xv);
+                    }
+                    read_stage = gemv_next_stage(read_stage);
+                    __syncwarp();  // every lane has read the stage before the next issue refills it
                 }
-                if (X_SMEM) {
-                    const u32 xs = x_read_at + read_stage * X_STAGE;
-#pragma unroll
-                    for (int i = 0; i < 4; i++) xv[0][i] = lds128(xs + 16 * i);
-                }
-                read_stage = gemv_next_stage(read_stage);
-                __syncwarp();  // every lane has read the stage before the next issue refills it
-#pragma unroll
-                for (int k = 0; k < TILES; k++) fp4_chunk_mma<NV, NT>(acc[k], wa[k], wb[k], sa[k], sb[k], xv);
             }
 #pragma unroll
             for (int k = 0; k < TILES; k++)
@@ -656,8 +675,8 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
 }
 
 // cols a multiple of 32; 8 (n8) or 16 (n16) tokens a block (blockIdx.x), a
-// grid of as many blocks as an SM holds at once over the row tiles (pairs of
-// them at 16 tokens; blockIdx.y), TILES * GEMV_WARPS * GEMV_STAGES *
+// grid of as many blocks as an SM holds at once over the row tiles (groups of
+// 2 or 3 at 16 tokens, the `_t3` kernels 3; blockIdx.y), TILES * GEMV_WARPS * GEMV_STAGES *
 // GEMV_STAGE_BYTES of dynamic shared memory (fp4.rs).
 #define FP4_ARGS const unsigned char *__restrict__ codes, const unsigned char *__restrict__ scales, \
                  const float *__restrict__ row_scale, const bf16 *__restrict__ x, float *__restrict__ y, int n, \
@@ -666,7 +685,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
 // Blocks an SM (fp4.rs asks the driver how many fit and launches as many):
 // 3, at up to 80 registers (at 64, for 4, the second token tile's
 // accumulators and x spill, and the 8-token kernel recomputes more); the
-// 16-token kernel, with two row tiles' sums and codes, 2 (~116 registers).
+// 16-token kernels, with two or three row tiles' sums, 2 (117-125 registers).
 #define FP4_GEMV_N8 __launch_bounds__(GEMV_WARPS * 32, 3)
 #define FP4_GEMV_N16 __launch_bounds__(GEMV_WARPS * 32, 2)
 // The norm + SwiGLU kernel (gate/up: 1,792 row tiles for an 8B model, more
@@ -682,6 +701,10 @@ extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_mx_n16(FP4_ARGS) {
     wait_for_previous_kernels();
     fp4_gemv<false, 2, FP4_PLAIN, 2>(FP4_PASS);
 }
+extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_mx_n16_t3(FP4_ARGS) {
+    wait_for_previous_kernels();
+    fp4_gemv<false, 2, FP4_PLAIN, 3>(FP4_PASS);
+}
 extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_nv_n8(FP4_ARGS) {
     wait_for_previous_kernels();
     fp4_gemv<true, 1>(FP4_PASS);
@@ -689,6 +712,10 @@ extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_nv_n8(FP4_ARGS) {
 extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_nv_n16(FP4_ARGS) {
     wait_for_previous_kernels();
     fp4_gemv<true, 2, FP4_PLAIN, 2>(FP4_PASS);
+}
+extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_nv_n16_t3(FP4_ARGS) {
+    wait_for_previous_kernels();
+    fp4_gemv<true, 2, FP4_PLAIN, 3>(FP4_PASS);
 }
 
 // The fused one-token kernels (FP4_NORM_ROPE and kin above): the GEMV's

@@ -32,12 +32,20 @@ fn gemv_tokens_per_block(n: usize) -> usize {
 }
 
 /// Row tiles a warp's item takes in the GEMV for blocks of `tokens` tokens
-/// (`fp4.cu`'s TILES): two at 16 tokens, where x is 4 times a chunk's bytes
-/// and a pair loads it once for both (an 8B layer's GEMVs 1,198-1,206 ->
-/// 1,529-1,541 GB/s on an H100; at 8 tokens pairs read 2-3% slower;
-/// BENCHMARKS.md), else one.
-fn gemv_tiles(tokens: usize) -> u32 {
-    if tokens == 16 { 2 } else { 1 }
+/// over a matrix of `row_tiles` 16-row tiles (`fp4.cu`'s TILES). One at 8
+/// tokens (pairs read 2-3% slower there). At 16, where x is 4 times a
+/// chunk's bytes, a group loads it once for all its tiles: two (an 8B
+/// layer's GEMVs 1,198-1,206 -> 1,529-1,541 GB/s on an H100), or three (the
+/// `_t3` kernels) where there are groups of three for nine SMs in ten at
+/// least: on an H100 gate/up and qkv then read 8-10% faster, while o and down
+/// (256 tiles, 86 groups of three for 132 SMs) read 10-13% slower
+/// (BENCHMARKS.md).
+fn gemv_tiles(tokens: usize, row_tiles: usize, sm_count: u32) -> u32 {
+    match tokens {
+        16 if 10 * row_tiles.div_ceil(3) >= 9 * sm_count as usize => 3,
+        16 => 2,
+        _ => 1,
+    }
 }
 
 /// Warps per block of the kernels (`fp4.cu`'s GEMV_WARPS).
@@ -406,13 +414,15 @@ impl Fp4Weights {
         extra: &[&dyn KernelArg],
     ) -> Result<(), GpuError> {
         self.in_hopper_order()?;
-        let name = match self.format {
-            Fp4Format::Mxfp4 => format!("fp4_gemv_mx_{kernel}"),
-            Fp4Format::Nvfp4 => format!("fp4_gemv_nv_{kernel}"),
-        };
         let tokens = gemv_tokens_per_block(n);
         let token_blocks = n.div_ceil(tokens) as u32;
-        let tiles = gemv_tiles(tokens);
+        let tiles = gemv_tiles(tokens, self.rows.div_ceil(16), gpu.sm_count);
+        let format = match self.format {
+            Fp4Format::Mxfp4 => "mx",
+            Fp4Format::Nvfp4 => "nv",
+        };
+        let groups_of = if tiles == 3 { "_t3" } else { "" };
+        let name = format!("fp4_gemv_{format}_{kernel}{groups_of}");
         // The kernel addresses a matrix's codes with 32-bit offsets.
         if self.codes.len() > u32::MAX as usize {
             return Err(GpuError::Other(format!(

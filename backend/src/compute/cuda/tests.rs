@@ -883,8 +883,10 @@ fn fp4_gemv_matches_the_cpu_reference() {
     // columns); these run the GEMV's token counts only. The
     // tiled layout pads rows to 16 and columns to 128 (24 x 96, 8 x 608, 40
     // rows, 1,088 columns); x's loads are bounded only where the last chunk
-    // is partial. The 16-token GEMV takes row tiles in pairs: an odd number
-    // of tiles (40 and 8 rows, `tall`) leaves its last pair without a second.
+    // is partial. The 16-token GEMV takes row tiles in groups: pairs on
+    // small matrices, where an odd number of tiles (40 and 8 rows) leaves the
+    // last pair without a second; threes on tall ones (4 x SMs + 3, + 4 and +
+    // 5 tiles: one of each remainder by 3 on any GPU).
     let tall = 16 * 4 * gpu.sm_count as usize + 40;
     let whole_tall = tall - 40;
     for (rows, cols) in [
@@ -895,6 +897,8 @@ fn fp4_gemv_matches_the_cpu_reference() {
         (tall, 256),
         (tall, 1152),
         (tall, 1088),
+        (tall + 16, 1152),
+        (tall + 32, 1088),
         (whole_tall, 256),
         (whole_tall, 1152),
     ] {
