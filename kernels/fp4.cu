@@ -787,6 +787,107 @@ __device__ __forceinline__ int gemm_unit(int u) { return u ^ ((u >> 3) & 1); }
 #define GEMM_X_BYTES (GEMM_TOKENS * GEMM_XS * 2)
 #define GEMM_STAGE_BYTES (GEMM_X_BYTES + 128 * 64 + 128 * 8)
 
+// The block's 256 threads' copies of a chunk into a stage: x's 128 columns
+// of the block's `here` tokens (rows GEMM_XS apart, units at gemm_unit;
+// zeros past `here` and `cols`), then the codes (the block's 8 tiles' KB, as
+// the tiled layout has them) and scale bytes (tiles past the last as zeros).
+// Each thread's sources and places are the same in every chunk but for the
+// chunk's offset, so they are worked out once (worked out for every piece
+// and chunk, they made the loops 683 SASS instructions a warp and chunk in
+// fp4_gemm_wg, now 330, and 766 in fp4_gemm, now 448).
+template <bool NV>
+struct GemmCopier {
+    static constexpr int SCALE_ROW = fp4_scale_row<NV>();
+    static constexpr int X_PIECES = GEMM_TOKENS * 16 / 256;  // a thread's 16-byte pieces of x (4)
+    const bf16* x;                                           // token threadIdx.x / 16's unit threadIdx.x % 16
+    const unsigned char* codes;                              // tile tile0 + threadIdx.x / 64's piece threadIdx.x % 64
+    const unsigned char* scales;                             // (threads under 8 * SCALE_ROW)
+    u32 x_in;                                                // bit k: token threadIdx.x / 16 + 16k is under `here`
+    int col, cols, codes_in, scales_in, x_step;
+
+    __device__ GemmCopier(const bf16* __restrict__ xb, int here, int cols_, const unsigned char* __restrict__ codes_,
+                          const unsigned char* __restrict__ scales_, int tile0, int tiles, int chunks)
+        : cols(cols_) {
+        const int tok = threadIdx.x >> 4, unit = threadIdx.x & 15;
+        x = xb + (u64)tok * cols + unit * 8;
+        col = unit * 8;
+        x_step = 16 * cols;
+        x_in = 0;
+#pragma unroll
+        for (int k = 0; k < X_PIECES; k++) x_in |= (u32)(tok + 16 * k < here) << k;
+        // The codes' threads: 256 a pass, 2 passes (tiles + 0..3, + 4..7).
+        const int tile = tile0 + (threadIdx.x >> 6);
+        codes = codes_ + (u64)tile * chunks * 1024 + 16 * (threadIdx.x & 63);
+        codes_in = (tile < tiles) | (tile + 4 < tiles) << 1;
+        const int stile = tile0 + threadIdx.x / SCALE_ROW;
+        scales = scales_ + (u64)stile * chunks * 16 * SCALE_ROW + 16 * (threadIdx.x % SCALE_ROW);
+        scales_in = threadIdx.x < 8 * SCALE_ROW && stile < tiles;
+    }
+
+    // Chunk c into the stage at `base` (a tile's chunks are 1 KB apart); a
+    // zero-filled piece names the start of its matrix (`x0`, `codes0`,
+    // `scales0`: the kernel's arguments), never an address past its end.
+    __device__ __forceinline__ void copy(unsigned char* base, int c, int chunks, const bf16* x0,
+                                         const unsigned char* codes0, const unsigned char* scales0) const {
+        const u32 st = smem_u32(base);
+        const bool cols_in = (c << 7) + col < cols;
+        const u32 x_at = st + ((threadIdx.x >> 4) * GEMM_XS + gemm_unit(threadIdx.x & 15) * 8) * 2;
+#pragma unroll
+        for (int k = 0; k < X_PIECES; k++) {
+            const bool in = cols_in && (x_in >> k & 1);
+            cp_async16_shared(x_at + k * 16 * GEMM_XS * 2, in ? x + (c << 7) + (u64)k * x_step : x0, in ? 16 : 0);
+        }
+        const u32 cs = st + GEMM_X_BYTES + 16 * threadIdx.x;
+        const unsigned char* src = codes + (u64)c * 1024;
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            const bool in = codes_in >> k & 1;
+            cp_async16_shared(cs + k * 4096, in ? src + (u64)k * 4 * chunks * 1024 : codes0, in ? 16 : 0);
+        }
+        if (threadIdx.x < 8 * SCALE_ROW)
+            cp_async16_shared(st + GEMM_X_BYTES + 128 * 64 + 16 * threadIdx.x,
+                              scales_in ? scales + (u64)c * 16 * SCALE_ROW : scales0, scales_in ? 16 : 0);
+    }
+};
+
+// A warp's 16 rows (ra, rb = ra + 8) of a 64-token block's sums, token tile
+// nt's in acc[nt] (the mma's C layout: j0 = the block's first token + 2t):
+// scaled to y, or (split columns) to `part` for fp4_splitk_sum.
+__device__ __forceinline__ void gemm_store(const float (&acc)[GEMM_TOKENS / 8][4], float* __restrict__ y,
+                                           float* __restrict__ part, const float* __restrict__ row_scale, int ra,
+                                           int rb, int j0, int n, int rows, float out_pow2, int accumulate) {
+#pragma unroll
+    for (int nt = 0; nt < GEMM_TOKENS / 8; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int row = i < 2 ? ra : rb, j = j0 + nt * 8 + (i & 1);
+            if (gridDim.z == 1)
+                fp4_store(y, row < rows ? row_scale[row] : 0.0f, acc[nt][i], row, j, n, rows, out_pow2, accumulate);
+            else if (row < rows && j < n)
+                part[((u64)blockIdx.z * n + j) * rows + row] = acc[nt][i];
+        }
+}
+
+// Warp `warp`'s tile of the chunk at `cs` (GemmCopier's layout) as
+// the 8 mma steps' A fragments.
+template <bool NV>
+__device__ __forceinline__ void gemm_dequant(u32 (&a)[8][4], const unsigned char* cs, int warp, int g, int t) {
+    constexpr int SCALE_ROW = fp4_scale_row<NV>();
+    const unsigned char* ss = cs + 128 * 64;
+    const unsigned char* ca = cs + warp * 1024 + 64 * fp4_slot(g) + 16 * t;  // rows g + 8 512 on
+    const uint4 wa = *(const uint4*)ca, wb = *(const uint4*)(ca + 512);
+    const unsigned char* sr = ss + warp * 16 * SCALE_ROW + SCALE_ROW * g;  // rows g + 8 8 rows on
+    u32 sa, sb;
+    if (NV) {
+        sa = *(const unsigned short*)(sr + 2 * t);
+        sb = *(const unsigned short*)(sr + 8 * SCALE_ROW + 2 * t);
+    } else {
+        sa = sr[t];
+        sb = sr[8 * SCALE_ROW + t];
+    }
+    fp4_dequant<NV>(a, wa, wb, sa, sb);
+}
+
 template <bool NV>
 __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
                                          const float* __restrict__ row_scale, const bf16* __restrict__ x,
@@ -805,33 +906,8 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
     const int count = step == 1 ? max(0, min(chunks, first + per_split) - first) : max(0, (chunks - z + step - 1) / step);
     const bf16* xb = x + (u64)tok0 * cols;
 
-    // The block's 256 threads copy chunk c into stage `st`.
-    auto load = [&](int st, int c) {
-        unsigned char* base = smem + st * GEMM_STAGE_BYTES;
-        bf16* xs = (bf16*)base;
-#pragma unroll
-        for (int i = threadIdx.x; i < GEMM_TOKENS * 16; i += 256) {
-            const int tok = i >> 4, col = (c << 7) + (i & 15) * 8;
-            const bool in = tok < here && col < cols;
-            cp_async16(xs + tok * GEMM_XS + gemm_unit(i & 15) * 8, in ? xb + (u64)tok * cols + col : xb, in ? 16 : 0);
-        }
-        unsigned char* cs = base + GEMM_X_BYTES;
-#pragma unroll
-        for (int i = threadIdx.x; i < 8 * 64; i += 256) {  // tile i / 64's 16-byte piece i % 64
-            const int tile = tile0 + (i >> 6);
-            const bool in = tile < tiles;
-            cp_async16(cs + 16 * i, in ? codes + ((u64)tile * chunks + c) * 1024 + 16 * (i & 63) : codes, in ? 16 : 0);
-        }
-        unsigned char* ss = cs + 128 * 64;
-        constexpr int PIECES = SCALE_ROW;  // a tile's scale bytes of a chunk, in 16-byte pieces
-        if (threadIdx.x < 8 * PIECES) {
-            const int tile = tile0 + threadIdx.x / PIECES;
-            const bool in = tile < tiles;
-            cp_async16(ss + 16 * threadIdx.x,
-                       in ? scales + ((u64)tile * chunks + c) * 16 * SCALE_ROW + 16 * (threadIdx.x % PIECES) : scales,
-                       in ? 16 : 0);
-        }
-    };
+    const GemmCopier<NV> copier(xb, here, cols, codes, scales, tile0, tiles, chunks);
+    auto load = [&](int st, int c) { copier.copy(smem + st * GEMM_STAGE_BYTES, c, chunks, x, codes, scales); };
 
     float acc[GEMM_TOKENS / 8][4];
 #pragma unroll
@@ -851,21 +927,8 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
         asm volatile("cp.async.commit_group;");
 
         const unsigned char* base = smem + (it % GEMM_STAGES) * GEMM_STAGE_BYTES;
-        const unsigned char* cs = base + GEMM_X_BYTES;
-        const unsigned char* ss = cs + 128 * 64;
-        const unsigned char* ca = cs + warp * 1024 + 64 * fp4_slot(g) + 16 * t;  // rows g + 8 512 on
-        const uint4 wa = *(const uint4*)ca, wb = *(const uint4*)(ca + 512);
-        const unsigned char* sr = ss + warp * 16 * SCALE_ROW + SCALE_ROW * g;  // rows g + 8 8 rows on
-        u32 sa, sb;
-        if (NV) {
-            sa = *(const unsigned short*)(sr + 2 * t);
-            sb = *(const unsigned short*)(sr + 8 * SCALE_ROW + 2 * t);
-        } else {
-            sa = sr[t];
-            sb = sr[8 * SCALE_ROW + t];
-        }
         u32 a[8][4];
-        fp4_dequant<NV>(a, wa, wb, sa, sb);
+        gemm_dequant<NV>(a, base + GEMM_X_BYTES, warp, g, t);
         const bf16* xs = (const bf16*)base;
 #pragma unroll
         for (int nt = 0; nt < GEMM_TOKENS / 8; nt++) {
@@ -877,16 +940,7 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
         }
     }
     asm volatile("cp.async.wait_group 0;");
-#pragma unroll
-    for (int nt = 0; nt < GEMM_TOKENS / 8; nt++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int row = i < 2 ? ra : rb, j = tok0 + nt * 8 + 2 * t + (i & 1);
-            if (gridDim.z == 1)
-                fp4_store(y, row < rows ? row_scale[row] : 0.0f, acc[nt][i], row, j, n, rows, out_pow2, accumulate);
-            else if (row < rows && j < n)
-                part[((u64)blockIdx.z * n + j) * rows + row] = acc[nt][i];
-        }
+    gemm_store(acc, y, part, row_scale, ra, rb, tok0 + 2 * t, n, rows, out_pow2, accumulate);
 }
 
 #define FP4_GEMM_ARGS const unsigned char *__restrict__ codes, const unsigned char *__restrict__ scales, \
@@ -896,6 +950,127 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
 #define FP4_GEMM_PASS codes, scales, row_scale, x, y, part, n, rows, cols, out_pow2, shift, accumulate, per_split, step
 extern "C" __global__ void __launch_bounds__(256) fp4_gemm_mx(FP4_GEMM_ARGS) { wait_for_previous_kernels(); fp4_gemm<false>(FP4_GEMM_PASS); }
 extern "C" __global__ void __launch_bounds__(256) fp4_gemm_nv(FP4_GEMM_ARGS) { wait_for_previous_kernels(); fp4_gemm<true>(FP4_GEMM_PASS); }
+
+// The tiled GEMM on Hopper's warpgroup MMAs (sm_90a; the fast numerics,
+// fp4.rs: SumOrder::Fastest): the same blocks, splits, copies and sums'
+// layout as fp4_gemm, but each warpgroup (4 warps, 64 rows) multiplies a
+// chunk with 8 `wgmma.mma_async.m64n64k16` whose A (the dequantized
+// weights, the mma's A fragments as fp4_dequant makes them) comes from
+// registers and whose B (x) the tensor cores read from shared memory
+// themselves: fp4_gemm's warps each read the whole 64 x 128 x tile and issue
+// 64 `mma.sync` a chunk (BENCHMARKS.md).
+//
+// B is K-major without swizzle: 8 x 8 core matrices (8 tokens x 16 bytes,
+// 128 bytes each), core matrix (kb, nb) at (kb * 8 + nb) * 128, so a step's
+// descriptor has its two K core matrices LBO = 1,024 bytes apart and its
+// eight 8-token groups SBO = 128. Step j (= 2q + h) of a chunk multiplies
+// lane t's column pairs 2h, 2h + 1 of word q (fp4_dequant's order), so its
+// core matrix row kb = 2j + s holds, for t = 0..3, x's columns 32t + 8q + 4h
+// + 2s and + 1: column cc of the chunk sits in row (cc % 32) / 2, word
+// cc / 32. The chunk's x arrives with the weights as fp4_gemm has it
+// (GEMM_STAGES - 1 chunks ahead, by cp.async) and each thread moves one
+// token's 16 bytes of 4 column runs 32 apart (token thread % 64, q = thread
+// / 64) into 4 rows of that layout, in a buffer of its own. (Loaded into
+// registers one chunk ahead instead, x's latency showed: a layer at 64
+// tokens 685 -> 640 GB/s on an H100.) 3 stages, for 2 blocks an SM.
+#define WG_STAGES 3
+#define WG_X_BYTES (GEMM_TOKENS * 128 * 2)
+
+__device__ __forceinline__ unsigned long long wg_desc_kmajor(u32 addr, u32 lbo, u32 sbo) {
+    return (unsigned long long)((addr & 0x3ffffu) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+           ((unsigned long long)(sbo >> 4) << 32);
+}
+
+// D (64 x 64 f32: acc[nt] is token tile nt, the mma's C layout) += A B.
+__device__ __forceinline__ void wg_mma_m64n64k16(float (&d)[GEMM_TOKENS / 8][4], const u32 (&a)[4],
+                                                 unsigned long long desc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+        "{%32,%33,%34,%35}, %36, 1, 1, 1, 0;"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+          "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+          "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+#endif
+}
+
+template <bool NV>
+__device__ __forceinline__ void fp4_gemm_wg(const unsigned char* __restrict__ codes,
+                                            const unsigned char* __restrict__ scales,
+                                            const float* __restrict__ row_scale, const bf16* __restrict__ x,
+                                            float* __restrict__ y, float* __restrict__ part, int n, int rows, int cols,
+                                            float out_pow2, int shift, int accumulate, int per_split, int step) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(128) unsigned char smem[];
+    fp4_fill_scale_table<NV>(shift);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.y * 128, ra = row0 + warp * 16 + g, rb = ra + 8;
+    const int tile0 = blockIdx.y * 8, tiles = (rows + 15) >> 4;
+    const int tok0 = blockIdx.x * GEMM_TOKENS, here = min(GEMM_TOKENS, n - tok0);
+    const int chunks = (cols + 127) >> 7, z = blockIdx.z;
+    const int first = step == 1 ? z * per_split : z;
+    const int count = step == 1 ? max(0, min(chunks, first + per_split) - first) : max(0, (chunks - z + step - 1) / step);
+    const bf16* xb = x + (u64)tok0 * cols;
+    unsigned char* wg_x = smem + WG_STAGES * GEMM_STAGE_BYTES;
+    // This thread's move: token `tok`'s units 4w + q (w = 0..3) to rows 4q ..
+    // 4q + 3 of its 8-token group (1,024 bytes a row).
+    const int tok = threadIdx.x & 63, q = threadIdx.x >> 6;
+    const u32 x_to = smem_u32(wg_x) + (u32)((4 * q * 8 + (tok >> 3)) * 128 + (tok & 7) * 16);
+    const int x_from = tok * GEMM_XS * 2;
+    const GemmCopier<NV> copier(xb, here, cols, codes, scales, tile0, tiles, chunks);
+    auto load = [&](int st, int c) { copier.copy(smem + st * GEMM_STAGE_BYTES, c, chunks, x, codes, scales); };
+
+    float acc[GEMM_TOKENS / 8][4];
+#pragma unroll
+    for (int i = 0; i < GEMM_TOKENS / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < WG_STAGES - 1; s++) {
+        if (s < count) load(s, first + step * s);
+        asm volatile("cp.async.commit_group;");
+    }
+    for (int it = 0; it < count; it++) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(WG_STAGES - 2));
+        __syncthreads();  // chunk `it` is in; every warpgroup's wgmmas of `it - 1` are done
+        const int ahead = it + WG_STAGES - 1;
+        if (ahead < count) load(ahead % WG_STAGES, first + step * ahead);
+        asm volatile("cp.async.commit_group;");
+
+        unsigned char* base = smem + (it % WG_STAGES) * GEMM_STAGE_BYTES;
+        uint4 xr[4];
+#pragma unroll
+        for (int w = 0; w < 4; w++) xr[w] = lds128(smem_u32(base) + x_from + gemm_unit(4 * w + q) * 16);
+#pragma unroll
+        for (int r = 0; r < 4; r++)  // row kb = 4q + r: word r of each run
+            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(x_to + r * 1024), "r"(word(xr[0], r)),
+                         "r"(word(xr[1], r)), "r"(word(xr[2], r)), "r"(word(xr[3], r)));
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // for the tensor cores' reads
+        u32 a[8][4];
+        gemm_dequant<NV>(a, base + GEMM_X_BYTES, warp, g, t);
+        __syncthreads();  // the chunk's x in the wgmma layout
+        const u32 xs = smem_u32(wg_x);
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+        for (int j = 0; j < 8; j++) wg_mma_m64n64k16(acc, a[j], wg_desc_kmajor(xs + j * 2048, 1024, 128));
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    }
+    asm volatile("cp.async.wait_group 0;");
+    gemm_store(acc, y, part, row_scale, ra, rb, tok0 + 2 * t, n, rows, out_pow2, accumulate);
+#endif
+}
+extern "C" __global__ void __launch_bounds__(256) fp4_gemm_wg_mx(FP4_GEMM_ARGS) {
+    wait_for_previous_kernels();
+    fp4_gemm_wg<false>(FP4_GEMM_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) fp4_gemm_wg_nv(FP4_GEMM_ARGS) {
+    wait_for_previous_kernels();
+    fp4_gemm_wg<true>(FP4_GEMM_PASS);
+}
 
 // y[j, r] (+)= row_scale[r] * out_pow2 * sum over splits of part[s, j, r].
 extern "C" __global__ void fp4_splitk_sum(const float* __restrict__ part, int splits, const float* __restrict__ row_scale,

@@ -61,10 +61,14 @@ const fn gemv_smem(tiles: u32) -> u32 {
 /// tile per warp).
 const GEMM_TOKENS: usize = 64;
 const GEMM_ROWS: usize = 16 * FP4_WARPS as usize;
-/// The GEMM's dynamic shared memory: GEMM_STAGES stages of x (64 tokens x
-/// 144 padded columns of BF16), codes (128 rows x 64 bytes) and scales (128 x
-/// 8 bytes).
-const GEMM_SMEM: u32 = 4 * (64 * 144 * 2 + 128 * 64 + 128 * 8);
+/// A GEMM stage: x (64 tokens x 144 padded columns of BF16), codes (128
+/// rows x 64 bytes) and scales (128 x 8 bytes); the GEMM's dynamic shared
+/// memory holds GEMM_STAGES (4) of them.
+const GEMM_STAGE: u32 = 64 * 144 * 2 + 128 * 64 + 128 * 8;
+const GEMM_SMEM: u32 = 4 * GEMM_STAGE;
+/// The warpgroup GEMM's (`fp4_gemm_wg_*`): 3 such stages and x in the
+/// tensor cores' layout (64 tokens x 128 columns of BF16).
+const GEMM_WG_SMEM: u32 = 3 * GEMM_STAGE + 64 * 128 * 2;
 
 /// How the tiled GEMM splits a `rows x cols` matrix's columns for `n` tokens
 /// on `sm_count` SMs: (splits, chunks per split, step), as `fp4.cu`'s
@@ -87,6 +91,15 @@ fn gemm_splits(
     let wanted = (2 * sm_count as usize).div_ceil(blocks).clamp(1, chunks);
     let per_split = chunks.div_ceil(wanted);
     (chunks.div_ceil(per_split), per_split, 1)
+}
+
+/// Whether the tiled GEMM runs on Hopper's warpgroup MMAs (`fp4.cu`'s
+/// `fp4_gemm_wg_*`: `wgmma` with x read by the tensor cores from shared
+/// memory, against `mma.sync` with every warp reading all of x): on sm_90a,
+/// in the fast numerics (the tensor cores' sums need not equal the GEMV's
+/// there).
+fn gemm_on_warpgroups(gpu: &Gpu, order: SumOrder) -> bool {
+    order == SumOrder::Fastest && gpu.arch == "sm_90a"
 }
 
 /// The order in which the tiled GEMM sums a token's products.
@@ -514,10 +527,14 @@ impl Fp4Weights {
             return Ok(());
         }
         let (splits, per_split, step) = gemm_splits(self.rows, self.cols, n, gpu.sm_count, order);
-        let name = match self.format {
-            Fp4Format::Mxfp4 => "fp4_gemm_mx",
-            Fp4Format::Nvfp4 => "fp4_gemm_nv",
+        let warpgroups = gemm_on_warpgroups(gpu, order);
+        let name = match (self.format, warpgroups) {
+            (Fp4Format::Mxfp4, false) => "fp4_gemm_mx",
+            (Fp4Format::Nvfp4, false) => "fp4_gemm_nv",
+            (Fp4Format::Mxfp4, true) => "fp4_gemm_wg_mx",
+            (Fp4Format::Nvfp4, true) => "fp4_gemm_wg_nv",
         };
+        let smem = if warpgroups { GEMM_WG_SMEM } else { GEMM_SMEM };
         let blocks = (
             n.div_ceil(GEMM_TOKENS) as u32,
             self.rows.div_ceil(GEMM_ROWS) as u32,
@@ -528,7 +545,7 @@ impl Fp4Weights {
         // them back.
         gpu.launch(
             name,
-            grid(blocks, FP4_WARPS * 32, GEMM_SMEM),
+            grid(blocks, FP4_WARPS * 32, smem),
             &[
                 &gpu.ptr(&self.codes, 0),
                 &gpu.ptr(&self.scales, 0),
