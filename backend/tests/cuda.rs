@@ -73,9 +73,11 @@ fn logits_match_the_cpu_on_smollm2() {
 /// FP4 linear layers: the GPU's FP4 kernels against the CPU's f32 reference
 /// of the same FP4 weights. Batch-invariant numerics: the GEMV in every step.
 /// Fast: the six prompts' prefill (more than FP4_GEMM_MAX_TOKENS tokens)
-/// through BF16 copies and cuBLAS, the first three's (17 to 64 tokens)
-/// through the tiled GEMM, the decode steps through the GEMV (one prompt's
-/// through the fused one-token GEMVs, `fp4.cu`'s FP4_NORM_ROPE and kin).
+/// through BF16 copies and cuBLAS (on sm_90a, up to
+/// FP4_WGMMA_GEMM_MAX_TOKENS, through the tiled GEMM on warpgroup MMAs), the
+/// first three's (17 to 64 tokens) through the tiled GEMM, the decode steps
+/// through the GEMV (one prompt's through the fused one-token GEMVs,
+/// `fp4.cu`'s FP4_NORM_ROPE and kin).
 #[test]
 fn fp4_logits_match_the_cpu_on_smollm2() {
     use sluice_backend::compute::cuda::{FP4_GEMM_MAX_TOKENS, FP4_GEMV_MAX_TOKENS};

@@ -607,11 +607,29 @@ impl Fp4Weights {
 pub const FP4_SWEEP_TOKENS: [usize; 4] = [1, 8, 16, 64];
 
 /// Up to this many tokens a step multiplies FP4 weights with the GEMV, past
-/// it with the tiled GEMM: in the fast numerics up to FP4_GEMM_MAX_TOKENS
-/// (past that a BF16 copy and cuBLAS); in the batch-invariant ones in the
-/// GEMV's order, FP4_GEMM_MAX_TOKENS tokens a launch.
+/// it with the tiled GEMM: in the fast numerics up to
+/// [`fp4_fast_gemm_max_tokens`] (past that a BF16 copy and cuBLAS); in the
+/// batch-invariant ones in the GEMV's order, FP4_GEMM_MAX_TOKENS tokens a
+/// launch.
 pub const FP4_GEMV_MAX_TOKENS: usize = 16;
+/// Tokens a tiled GEMM block takes, and the fast numerics' limit for the
+/// GEMM where it runs on `mma.sync`.
 pub const FP4_GEMM_MAX_TOKENS: usize = GEMM_TOKENS;
+/// The fast numerics' limit for the GEMM where it runs on warpgroup MMAs
+/// (`fp4_gemm_wg_*`, several 64-token blocks a row block): there it beats
+/// the BF16 copy and cuBLAS well past 64 tokens (an 8B model on an H100,
+/// fast: batch 128 5,216 -> 8,682 tok/s, batch 256 7,973 -> 9,800;
+/// BENCHMARKS.md), while a 1,024-token prefill stays with cuBLAS.
+pub const FP4_WGMMA_GEMM_MAX_TOKENS: usize = 256;
+
+/// Up to how many tokens the fast numerics take the tiled GEMM on `gpu`.
+pub fn fp4_fast_gemm_max_tokens(gpu: &Gpu) -> usize {
+    if gemm_on_warpgroups(gpu, SumOrder::Fastest) {
+        FP4_WGMMA_GEMM_MAX_TOKENS
+    } else {
+        FP4_GEMM_MAX_TOKENS
+    }
+}
 
 /// One line of [`fp4_sweep`].
 #[derive(Clone, Debug, Serialize)]

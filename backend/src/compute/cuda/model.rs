@@ -19,8 +19,8 @@ use super::device::{
     grid,
 };
 use super::fp4::{
-    FP4_COLS_MULTIPLE, FP4_FUSED_ROWS_MULTIPLE, FP4_GEMM_MAX_TOKENS, FP4_GEMV_MAX_TOKENS,
-    Fp4Weights, SumOrder,
+    FP4_COLS_MULTIPLE, FP4_FUSED_ROWS_MULTIPLE, FP4_GEMV_MAX_TOKENS, Fp4Weights, SumOrder,
+    fp4_fast_gemm_max_tokens,
 };
 use super::layers;
 use crate::compute::cpu::{Quant, Weight};
@@ -436,6 +436,11 @@ impl CudaLlama {
         self.fp4_matrices().any(|f| f.file_order)
     }
 
+    /// Up to how many tokens fast steps take the tiled FP4 GEMM here.
+    fn fp4_fast_gemm_max(&self) -> usize {
+        fp4_fast_gemm_max_tokens(&self.gpu)
+    }
+
     /// f32s of scratch the Blackwell path needs at most for `n` tokens.
     fn fp4_blockscaled_scratch(&self, n: usize) -> usize {
         self.fp4_matrices()
@@ -489,7 +494,7 @@ impl CudaLlama {
             return Ok(Vec::new());
         }
         ws.reserve(gpu, c, n, m, plan.decode_splits)?;
-        match ws.fp4_path(n, self.fp4_blockscaled()) {
+        match ws.fp4_path(n, self.fp4_blockscaled(), self.fp4_fast_gemm_max()) {
             Fp4Path::Gemv => {}
             Fp4Path::Gemm(order) => ws.reserve_fp4_part(gpu, self.fp4_gemm_scratch(n, order))?,
             Fp4Path::Dequantize => ws.reserve_dequant(gpu, self.largest_fp4())?,
@@ -598,7 +603,7 @@ impl CudaLlama {
             Numerics::BatchInvariant => gpu.gemm_bf16(w, x, y, n, rows, cols, accumulate),
             Numerics::Fast => gpu.gemm_bf16_fast(w, x, y, n, rows, cols, accumulate),
         };
-        let fp4_path = ws.fp4_path(n, self.fp4_blockscaled());
+        let fp4_path = ws.fp4_path(n, self.fp4_blockscaled(), self.fp4_fast_gemm_max());
         let linear = |w: &Linear, x, y, rows, cols, accumulate| match (w, fp4_path) {
             (Linear::Bf16(w), _) => gemm(b(w), x, y, n, rows, cols, accumulate),
             (Linear::Fp4(w), Fp4Path::Gemv) => w.gemv(gpu, x, y, n, accumulate),
@@ -1020,12 +1025,12 @@ enum Fp4Path {
 }
 
 /// See `Workspace::fp4_path`.
-fn fp4_path(numerics: Numerics, tokens: usize, blockscaled: bool) -> Fp4Path {
+fn fp4_path(numerics: Numerics, tokens: usize, blockscaled: bool, fast_gemm_max: usize) -> Fp4Path {
     match numerics {
         _ if blockscaled => Fp4Path::BlockScaled,
         _ if tokens <= FP4_GEMV_MAX_TOKENS => Fp4Path::Gemv,
         Numerics::BatchInvariant => Fp4Path::Gemm(SumOrder::AsGemv),
-        Numerics::Fast if tokens <= FP4_GEMM_MAX_TOKENS => Fp4Path::Gemm(SumOrder::Fastest),
+        Numerics::Fast if tokens <= fast_gemm_max => Fp4Path::Gemm(SumOrder::Fastest),
         Numerics::Fast => Fp4Path::Dequantize,
     }
 }
@@ -1071,11 +1076,11 @@ impl Workspace {
     /// How a step of `tokens` multiplies FP4 weights: the GEMV for few; past
     /// that, batch-invariant steps take the tiled GEMM in the GEMV's order
     /// (a token's results the same bits whichever the step's size picks),
-    /// fast ones the tiled GEMM in its own order or, past
-    /// FP4_GEMM_MAX_TOKENS, a BF16 copy and cuBLAS. Weights uploaded for
-    /// Blackwell's tensor cores (`blockscaled`) take them at every size.
-    fn fp4_path(&self, tokens: usize, blockscaled: bool) -> Fp4Path {
-        fp4_path(self.numerics, tokens, blockscaled)
+    /// fast ones the tiled GEMM in its own order or, past `fast_gemm_max`
+    /// (`fp4_fast_gemm_max_tokens`), a BF16 copy and cuBLAS. Weights uploaded
+    /// for Blackwell's tensor cores (`blockscaled`) take them at every size.
+    fn fp4_path(&self, tokens: usize, blockscaled: bool, fast_gemm_max: usize) -> Fp4Path {
+        fp4_path(self.numerics, tokens, blockscaled, fast_gemm_max)
     }
 
     /// Room for `floats` partial sums of the FP4 GEMM.
@@ -1171,26 +1176,46 @@ mod tests {
     }
 
     /// Batch-invariant steps never leave the GEMV's sums (the GEMM in its
-    /// order past 16 tokens, at any size); fast ones pick by size.
+    /// order past 16 tokens, at any size); fast ones pick by size, the GEMM
+    /// up to the GPU's limit (64 on `mma.sync`, 256 on warpgroup MMAs).
     #[test]
     fn fp4_paths_by_numerics_and_size() {
+        use super::super::fp4::{FP4_GEMM_MAX_TOKENS, FP4_WGMMA_GEMM_MAX_TOKENS};
         use Fp4Path::*;
-        for n in [1, 8, 16] {
-            assert_eq!(fp4_path(Numerics::BatchInvariant, n, false), Gemv);
-            assert_eq!(fp4_path(Numerics::Fast, n, false), Gemv);
-        }
-        for n in [17, 64, 65, 8192] {
+        let (mma, wgmma) = (FP4_GEMM_MAX_TOKENS, FP4_WGMMA_GEMM_MAX_TOKENS);
+        for limit in [mma, wgmma] {
+            for n in [1, 8, 16] {
+                assert_eq!(fp4_path(Numerics::BatchInvariant, n, false, limit), Gemv);
+                assert_eq!(fp4_path(Numerics::Fast, n, false, limit), Gemv);
+            }
+            for n in [17, 64, 65, 257, 8192] {
+                assert_eq!(
+                    fp4_path(Numerics::BatchInvariant, n, false, limit),
+                    Gemm(SumOrder::AsGemv)
+                );
+            }
             assert_eq!(
-                fp4_path(Numerics::BatchInvariant, n, false),
-                Gemm(SumOrder::AsGemv)
+                fp4_path(Numerics::Fast, 17, false, limit),
+                Gemm(SumOrder::Fastest)
+            );
+            assert_eq!(
+                fp4_path(Numerics::Fast, 64, false, limit),
+                Gemm(SumOrder::Fastest)
             );
         }
-        assert_eq!(fp4_path(Numerics::Fast, 17, false), Gemm(SumOrder::Fastest));
-        assert_eq!(fp4_path(Numerics::Fast, 64, false), Gemm(SumOrder::Fastest));
-        assert_eq!(fp4_path(Numerics::Fast, 65, false), Dequantize);
+        assert_eq!(fp4_path(Numerics::Fast, 65, false, mma), Dequantize);
+        assert_eq!(
+            fp4_path(Numerics::Fast, 65, false, wgmma),
+            Gemm(SumOrder::Fastest)
+        );
+        assert_eq!(
+            fp4_path(Numerics::Fast, 256, false, wgmma),
+            Gemm(SumOrder::Fastest)
+        );
+        assert_eq!(fp4_path(Numerics::Fast, 257, false, wgmma), Dequantize);
         for numerics in [Numerics::BatchInvariant, Numerics::Fast] {
             for n in [1, 16, 17, 65, 8192] {
-                assert_eq!(fp4_path(numerics, n, true), BlockScaled);
+                assert_eq!(fp4_path(numerics, n, true, wgmma), BlockScaled);
             }
         }
     }
