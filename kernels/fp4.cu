@@ -888,6 +888,32 @@ __device__ __forceinline__ void gemm_dequant(u32 (&a)[8][4], const unsigned char
     fp4_dequant<NV>(a, wa, wb, sa, sb);
 }
 
+// A GEMM block's share: lane (g, t) of warp `warp` holds rows ra and rb =
+// ra + 8 of tile tile0 + warp (of `tiles`), the block's tokens are tok0 ..
+// (`here` of them, x's rows from xb) and its split's chunks first + step *
+// i for i < count (of the row's `chunks`).
+struct GemmBlock {
+    int warp, g, t, ra, rb, tile0, tiles, tok0, here, chunks, first, count;
+    const bf16* xb;
+    __device__ __forceinline__ GemmBlock(const bf16* x, int n, int rows, int cols, int per_split, int step) {
+        warp = threadIdx.x >> 5;
+        const int lane = threadIdx.x & 31;
+        g = lane >> 2;
+        t = lane & 3;
+        ra = blockIdx.y * 128 + warp * 16 + g;
+        rb = ra + 8;
+        tile0 = blockIdx.y * 8;
+        tiles = (rows + 15) >> 4;
+        tok0 = blockIdx.x * GEMM_TOKENS;
+        here = min(GEMM_TOKENS, n - tok0);
+        chunks = (cols + 127) >> 7;
+        const int z = blockIdx.z;
+        first = step == 1 ? z * per_split : z;
+        count = step == 1 ? max(0, min(chunks, first + per_split) - first) : max(0, (chunks - z + step - 1) / step);
+        xb = x + (u64)tok0 * cols;
+    }
+};
+
 template <bool NV>
 __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
                                          const float* __restrict__ row_scale, const bf16* __restrict__ x,
@@ -895,18 +921,9 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
                                          float out_pow2, int shift, int accumulate, int per_split, int step) {
     extern __shared__ __align__(16) unsigned char smem[];
     fp4_fill_scale_table<NV>(shift);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    constexpr int SCALE_ROW = fp4_scale_row<NV>();
-    const int row0 = blockIdx.y * 128, ra = row0 + warp * 16 + g, rb = ra + 8;
-    const int tile0 = blockIdx.y * 8, tiles = (rows + 15) >> 4;
-    const int tok0 = blockIdx.x * GEMM_TOKENS, here = min(GEMM_TOKENS, n - tok0);
-    const int chunks = (cols + 127) >> 7, z = blockIdx.z;
-    // This split's chunks: first + step * i for i < count.
-    const int first = step == 1 ? z * per_split : z;
-    const int count = step == 1 ? max(0, min(chunks, first + per_split) - first) : max(0, (chunks - z + step - 1) / step);
-    const bf16* xb = x + (u64)tok0 * cols;
-
-    const GemmCopier<NV> copier(xb, here, cols, codes, scales, tile0, tiles, chunks);
+    const GemmBlock b(x, n, rows, cols, per_split, step);
+    const int warp = b.warp, g = b.g, t = b.t, chunks = b.chunks, first = b.first, count = b.count;
+    const GemmCopier<NV> copier(b.xb, b.here, cols, codes, scales, b.tile0, b.tiles, chunks);
     auto load = [&](int st, int c) { copier.copy(smem + st * GEMM_STAGE_BYTES, c, chunks, x, codes, scales); };
 
     float acc[GEMM_TOKENS / 8][4];
@@ -940,7 +957,7 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
         }
     }
     asm volatile("cp.async.wait_group 0;");
-    gemm_store(acc, y, part, row_scale, ra, rb, tok0 + 2 * t, n, rows, out_pow2, accumulate);
+    gemm_store(acc, y, part, row_scale, b.ra, b.rb, b.tok0 + 2 * t, n, rows, out_pow2, accumulate);
 }
 
 #define FP4_GEMM_ARGS const unsigned char *__restrict__ codes, const unsigned char *__restrict__ scales, \
@@ -1008,21 +1025,15 @@ __device__ __forceinline__ void fp4_gemm_wg(const unsigned char* __restrict__ co
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(128) unsigned char smem[];
     fp4_fill_scale_table<NV>(shift);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int row0 = blockIdx.y * 128, ra = row0 + warp * 16 + g, rb = ra + 8;
-    const int tile0 = blockIdx.y * 8, tiles = (rows + 15) >> 4;
-    const int tok0 = blockIdx.x * GEMM_TOKENS, here = min(GEMM_TOKENS, n - tok0);
-    const int chunks = (cols + 127) >> 7, z = blockIdx.z;
-    const int first = step == 1 ? z * per_split : z;
-    const int count = step == 1 ? max(0, min(chunks, first + per_split) - first) : max(0, (chunks - z + step - 1) / step);
-    const bf16* xb = x + (u64)tok0 * cols;
+    const GemmBlock b(x, n, rows, cols, per_split, step);
+    const int warp = b.warp, g = b.g, t = b.t, chunks = b.chunks, first = b.first, count = b.count;
     unsigned char* wg_x = smem + WG_STAGES * GEMM_STAGE_BYTES;
     // This thread's move: token `tok`'s units 4w + q (w = 0..3) to rows 4q ..
     // 4q + 3 of its 8-token group (1,024 bytes a row).
     const int tok = threadIdx.x & 63, q = threadIdx.x >> 6;
     const u32 x_to = smem_u32(wg_x) + (u32)((4 * q * 8 + (tok >> 3)) * 128 + (tok & 7) * 16);
     const int x_from = tok * GEMM_XS * 2;
-    const GemmCopier<NV> copier(xb, here, cols, codes, scales, tile0, tiles, chunks);
+    const GemmCopier<NV> copier(b.xb, b.here, cols, codes, scales, b.tile0, b.tiles, chunks);
     auto load = [&](int st, int c) { copier.copy(smem + st * GEMM_STAGE_BYTES, c, chunks, x, codes, scales); };
 
     float acc[GEMM_TOKENS / 8][4];
@@ -1060,7 +1071,7 @@ __device__ __forceinline__ void fp4_gemm_wg(const unsigned char* __restrict__ co
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     }
     asm volatile("cp.async.wait_group 0;");
-    gemm_store(acc, y, part, row_scale, ra, rb, tok0 + 2 * t, n, rows, out_pow2, accumulate);
+    gemm_store(acc, y, part, row_scale, b.ra, b.rb, b.tok0 + 2 * t, n, rows, out_pow2, accumulate);
 #endif
 }
 extern "C" __global__ void __launch_bounds__(256) fp4_gemm_wg_mx(FP4_GEMM_ARGS) {
