@@ -914,6 +914,22 @@ struct GemmBlock {
     }
 };
 
+// Zeroed sums, and the first STAGES - 1 chunks' copies (`load(stage,
+// chunk)`) in flight. Every iteration after commits one group (empty past
+// the end), so that "all but the newest STAGES - 2" always means "chunk
+// `it` is in".
+template <int STAGES, typename Load>
+__device__ __forceinline__ void gemm_start(float (&acc)[GEMM_TOKENS / 8][4], const Load& load, int first, int count,
+                                           int step) {
+#pragma unroll
+    for (int i = 0; i < GEMM_TOKENS / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < count) load(s, first + step * s);
+        asm volatile("cp.async.commit_group;");
+    }
+}
+
 template <bool NV>
 __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
                                          const float* __restrict__ row_scale, const bf16* __restrict__ x,
@@ -927,15 +943,7 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
     auto load = [&](int st, int c) { copier.copy(smem + st * GEMM_STAGE_BYTES, c, chunks, x, codes, scales); };
 
     float acc[GEMM_TOKENS / 8][4];
-#pragma unroll
-    for (int i = 0; i < GEMM_TOKENS / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-    // Every iteration commits one group (empty past the end), so that
-    // "all but the newest GEMM_STAGES - 2" always means "chunk `it` is in".
-#pragma unroll
-    for (int s = 0; s < GEMM_STAGES - 1; s++) {
-        if (s < count) load(s, first + step * s);
-        asm volatile("cp.async.commit_group;");
-    }
+    gemm_start<GEMM_STAGES>(acc, load, first, count, step);
     for (int it = 0; it < count; it++) {
         asm volatile("cp.async.wait_group %0;" ::"n"(GEMM_STAGES - 2));
         __syncthreads();  // chunk `it` is in; every warp is done with `it - 1`
@@ -1037,13 +1045,7 @@ __device__ __forceinline__ void fp4_gemm_wg(const unsigned char* __restrict__ co
     auto load = [&](int st, int c) { copier.copy(smem + st * GEMM_STAGE_BYTES, c, chunks, x, codes, scales); };
 
     float acc[GEMM_TOKENS / 8][4];
-#pragma unroll
-    for (int i = 0; i < GEMM_TOKENS / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-#pragma unroll
-    for (int s = 0; s < WG_STAGES - 1; s++) {
-        if (s < count) load(s, first + step * s);
-        asm volatile("cp.async.commit_group;");
-    }
+    gemm_start<WG_STAGES>(acc, load, first, count, step);
     for (int it = 0; it < count; it++) {
         asm volatile("cp.async.wait_group %0;" ::"n"(WG_STAGES - 2));
         __syncthreads();  // chunk `it` is in; every warpgroup's wgmmas of `it - 1` are done

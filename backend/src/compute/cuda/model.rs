@@ -1194,25 +1194,23 @@ mod tests {
                     Gemm(SumOrder::AsGemv)
                 );
             }
+        }
+        let fast = Gemm(SumOrder::Fastest);
+        for (n, limit, path) in [
+            (17, mma, fast),
+            (64, mma, fast),
+            (65, mma, Dequantize),
+            (17, wgmma, fast),
+            (65, wgmma, fast),
+            (256, wgmma, fast),
+            (257, wgmma, Dequantize),
+        ] {
             assert_eq!(
-                fp4_path(Numerics::Fast, 17, false, limit),
-                Gemm(SumOrder::Fastest)
-            );
-            assert_eq!(
-                fp4_path(Numerics::Fast, 64, false, limit),
-                Gemm(SumOrder::Fastest)
+                fp4_path(Numerics::Fast, n, false, limit),
+                path,
+                "{n} tokens, limit {limit}"
             );
         }
-        assert_eq!(fp4_path(Numerics::Fast, 65, false, mma), Dequantize);
-        assert_eq!(
-            fp4_path(Numerics::Fast, 65, false, wgmma),
-            Gemm(SumOrder::Fastest)
-        );
-        assert_eq!(
-            fp4_path(Numerics::Fast, 256, false, wgmma),
-            Gemm(SumOrder::Fastest)
-        );
-        assert_eq!(fp4_path(Numerics::Fast, 257, false, wgmma), Dequantize);
         for numerics in [Numerics::BatchInvariant, Numerics::Fast] {
             for n in [1, 16, 17, 65, 8192] {
                 assert_eq!(fp4_path(numerics, n, true, wgmma), BlockScaled);
