@@ -4,7 +4,8 @@
 //! per row for NVFP4's tensor scale, so that matrices quantized apart run
 //! fused), and the weight-only kernels
 //! of `kernels/fp4.cu`, which dequantize in registers and multiply on the
-//! BF16 tensor cores: a GEMV (up to 16 tokens a block), a tiled GEMM (more),
+//! BF16 tensor cores: a GEMV (up to 16 tokens a block), a tiled GEMM (more;
+//! on warpgroup MMAs in the fast numerics on sm_90a),
 //! and a dequantization to BF16 for cuBLAS; with their measurements
 //! (`fp4_sweep`, `fp4_prefill_sweep`).
 
