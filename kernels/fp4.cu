@@ -437,9 +437,9 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     // this way; BENCHMARKS.md). The 8-token kernel stages its 8 token rows
     // the same way (batch 8: 2,455 -> 2,690 tok/s); the 16-token one, whose
     // 16 rows would pass the 48 KB of static shared memory, loads x straight
-    // into registers, once for two row tiles (TILES above; 16 rows staged in
-    // dynamic shared memory gave nothing: the L1 then carries the copy and
-    // the reads, BENCHMARKS.md).
+    // into registers, once for two or three row tiles (TILES above; 16 rows
+    // staged in dynamic shared memory gave nothing: the L1 then carries the
+    // copy and the reads, BENCHMARKS.md).
     constexpr int X_ROWS = MODE != FP4_PLAIN ? 1 : NT == 1 ? 8 : 0;
     constexpr bool X_SMEM = X_ROWS > 0;
     constexpr int X_ROW = gemv_x_row_bytes<X_ROWS>(), X_STAGE = X_ROWS * X_ROW;
@@ -675,9 +675,10 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
 }
 
 // cols a multiple of 32; 8 (n8) or 16 (n16) tokens a block (blockIdx.x), a
-// grid of as many blocks as an SM holds at once over the row tiles (groups of
-// 2 or 3 at 16 tokens, the `_t3` kernels 3; blockIdx.y), TILES * GEMV_WARPS * GEMV_STAGES *
-// GEMV_STAGE_BYTES of dynamic shared memory (fp4.rs).
+// grid of as many blocks as an SM holds at once over the row tiles (groups
+// of 2 at 16 tokens, 3 in the `_t3` kernels; blockIdx.y), TILES *
+// GEMV_WARPS * GEMV_STAGES * GEMV_STAGE_BYTES of dynamic shared memory
+// (fp4.rs).
 #define FP4_ARGS const unsigned char *__restrict__ codes, const unsigned char *__restrict__ scales, \
                  const float *__restrict__ row_scale, const bf16 *__restrict__ x, float *__restrict__ y, int n, \
                  int rows, int cols, float out_pow2, int shift, int accumulate
@@ -930,6 +931,18 @@ __device__ __forceinline__ void gemm_start(float (&acc)[GEMM_TOKENS / 8][4], con
     }
 }
 
+// Chunk `it` in (waited for, then a barrier: every thread is past chunk
+// `it - 1`), and chunk it + STAGES - 1's copies started (a group, empty past
+// the end).
+template <int STAGES, typename Load>
+__device__ __forceinline__ void gemm_next(const Load& load, int it, int first, int count, int step) {
+    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2));
+    __syncthreads();
+    const int ahead = it + STAGES - 1;
+    if (ahead < count) load(ahead % STAGES, first + step * ahead);
+    asm volatile("cp.async.commit_group;");
+}
+
 template <bool NV>
 __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
                                          const float* __restrict__ row_scale, const bf16* __restrict__ x,
@@ -945,11 +958,7 @@ __device__ __forceinline__ void fp4_gemm(const unsigned char* __restrict__ codes
     float acc[GEMM_TOKENS / 8][4];
     gemm_start<GEMM_STAGES>(acc, load, first, count, step);
     for (int it = 0; it < count; it++) {
-        asm volatile("cp.async.wait_group %0;" ::"n"(GEMM_STAGES - 2));
-        __syncthreads();  // chunk `it` is in; every warp is done with `it - 1`
-        const int ahead = it + GEMM_STAGES - 1;
-        if (ahead < count) load(ahead % GEMM_STAGES, first + step * ahead);
-        asm volatile("cp.async.commit_group;");
+        gemm_next<GEMM_STAGES>(load, it, first, count, step);  // every warp is done with `it - 1`
 
         const unsigned char* base = smem + (it % GEMM_STAGES) * GEMM_STAGE_BYTES;
         u32 a[8][4];
@@ -1047,11 +1056,7 @@ __device__ __forceinline__ void fp4_gemm_wg(const unsigned char* __restrict__ co
     float acc[GEMM_TOKENS / 8][4];
     gemm_start<WG_STAGES>(acc, load, first, count, step);
     for (int it = 0; it < count; it++) {
-        asm volatile("cp.async.wait_group %0;" ::"n"(WG_STAGES - 2));
-        __syncthreads();  // chunk `it` is in; every warpgroup's wgmmas of `it - 1` are done
-        const int ahead = it + WG_STAGES - 1;
-        if (ahead < count) load(ahead % WG_STAGES, first + step * ahead);
-        asm volatile("cp.async.commit_group;");
+        gemm_next<WG_STAGES>(load, it, first, count, step);  // every warpgroup's wgmmas of `it - 1` are done
 
         unsigned char* base = smem + (it % WG_STAGES) * GEMM_STAGE_BYTES;
         uint4 xr[4];

@@ -20,7 +20,7 @@ pub mod transfer;
 pub use device::{Gpu, GpuError, cuda_available, gpu_count};
 pub use executor::CudaExecutor;
 pub use fp4::{
-    FP4_GEMM_MAX_TOKENS, FP4_GEMV_MAX_TOKENS, FP4_SWEEP_TOKENS, FP4_WGMMA_GEMM_MAX_TOKENS,
-    Fp4PrefillFigure, Fp4Weights, SumOrder, fp4_prefill_sweep, fp4_sweep,
+    FP4_GEMM_MAX_TOKENS, FP4_GEMV_MAX_TOKENS, FP4_SWEEP_TOKENS, Fp4PrefillFigure, Fp4Weights,
+    SumOrder, fp4_prefill_sweep, fp4_sweep,
 };
 pub use model::{ChunkResult, CudaKvCache, CudaLlama, Numerics, StepOutput, Workspace};
