@@ -5,15 +5,19 @@
 // multiplied on the BF16 tensor cores (mma.sync m16n8k16), so a step reads
 // 4.25 (MX) or 4.5 (NV) bits per weight instead of 16.
 //
-// Layout: codes row-major, 32 bits a group of 8 columns, with each code's
-// four bits (sign s, exponent e1 e0, mantissa m0) spread so that column pair
-// p (columns 2p, 2p + 1) becomes a bf16x2 word in one or two steps
-// (fp4_pair_bits; Fp4Weights::stack rewrites the file order, element 2i in
-// the low nibble of byte i, backend/src/compute/fp4.rs, into it). A pair's
-// low column fills bits 0-15 and its high column the same bits of 16-31:
-// pairs 0, 1, 2 sit where bf16 wants them shifted right by 0, 3, 6 (m0 e0 e1
-// at bits 6-8, s at 15, less the shift), so a shift and a mask place both;
-// pair 3 takes the 4 bits left (m0 10, s 11, e0 13, e1 14). One scale byte
+// Layout: codes row-major, 32 bits a group of 8 columns, encoded so that
+// column pair p (columns 2p, 2p + 1) becomes a bf16x2 word (m0 e0 e1 at bits
+// 6-8, s at 15; the high column 16 up) in one or two instructions, without
+// the shifts of one pair serving another (fp4_pair_bits): pair 0 is the word
+// masked, pair 1 the word shifted left by 6, pair 2 rotated left by 12, pair
+// 3 the word shifted left by 2 XOR right by 6, each masked. No placement of
+// the 32 code bits lets four shifts each place a pair (the shifted masks do
+// not tile 32 bits), so pair 3's bits are stored XORed with bits of the
+// other pairs: the decoding is linear over GF(2) and invertible, and
+// Fp4Weights::stack writes each word as its inverse of the file's order
+// (element 2i in the low nibble of byte i, backend/src/compute/fp4.rs). Four
+// shifts and four AND/XORs (LOP3) a word; two of the shifts (the left ones)
+// can run on the FMA pipe as IMAD.SHL. One scale byte
 // per 32 (MX, E8M0) or 16 (NV, E4M3) elements of a row; NV's fp32 tensor
 // scale comes in row_scale (one per row, so that matrices quantized apart,
 // Q, K and V say, run as one).
@@ -38,8 +42,8 @@
 // 2h + 1 of word q = j / 2 (h = j % 2), and the B fragment x's words 2h and
 // 2h + 1 of the same 8 columns as they are (x needs no reordering). (With
 // the file order, codes (q, q + 4) made a pair: x took two byte permutes an
-// mma, and each pair two shifts and two masks; now x none, and a pair 1.25
-// shifts and 1.5 masks on average.)
+// mma, and each pair two shifts and two masks; now x none, and a pair one
+// shift and one mask on average.)
 // Partial sums meet in shared memory in a fixed order (deterministic).
 
 // Column pair P of a 32-bit word of codes (Layout above) as bf16x2 times
@@ -48,8 +52,11 @@
 // sign at bit 15; the high column the same 16 bits up.
 template <int P>
 __device__ __forceinline__ u32 fp4_pair_bits(u32 w) {
-    if (P < 3) return (w << (3 * P)) & 0x81c081c0u;
-    return ((w >> 6) & 0x01800180u) | ((w >> 4) & 0x00400040u) | ((w << 4) & 0x80008000u);
+    constexpr u32 pair = 0x81c081c0u;
+    if (P == 0) return w & pair;
+    if (P == 1) return (w << 6) & pair;
+    if (P == 2) return __funnelshift_l(w, w, 12) & pair;  // rotate left
+    return ((w << 2) ^ (w >> 6)) & pair;
 }
 
 __device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {

@@ -113,26 +113,64 @@ pub enum SumOrder {
     Fastest,
 }
 
-/// Where each bit of a code lands in the kernels' 32-bit word (`fp4.cu`,
-/// Layout): for column pair p (columns 2p, 2p + 1), the bit positions of the
-/// low column's m0, e0, e1 and sign; the high column's are 16 up. Pairs 0-2
-/// sit where a bf16 wants them (6, 7, 8, 15) less a shift of 3p; pair 3 in
-/// the bits left over.
-const PAIR_BITS: [[u32; 4]; 4] = [[6, 7, 8, 15], [3, 4, 5, 12], [0, 1, 2, 9], [10, 13, 14, 11]];
+/// The bf16 bits a column pair decodes to: each column's magnitude (e1 e0
+/// m0) at bits 8..6 and its sign at 15, the high column the same 16 up.
+const PAIR_MASK: u32 = 0x81c0_81c0;
+
+/// `fp4_pair_bits` of `fp4.cu`, transcribed (`fp4.cu`, Layout): column pair
+/// p (columns 2p, 2p + 1) of a word in the kernels' order as bf16x2 bits
+/// (the E2M1 values times 2^-126). Each pair is one mask of the word, a
+/// shift or rotation of it, or of two shifts XORed.
+fn pair_bits(w: u32, p: usize) -> u32 {
+    match p {
+        0 => w & PAIR_MASK,
+        1 => (w << 6) & PAIR_MASK,
+        2 => w.rotate_left(12) & PAIR_MASK,
+        _ => ((w << 2) ^ (w >> 6)) & PAIR_MASK,
+    }
+}
+
+/// Everything `pair_bits` gives out of a word, as eight codes in the file's
+/// order: pair p's bits (6, 7, 8, 15, 22, 23, 24, 31) as byte p's bits 0-7
+/// (m0 e0 e1 s of column 2p, then of column 2p + 1). Linear over GF(2).
+fn decoded(w: u32) -> u32 {
+    const AT: [u32; 8] = [6, 7, 8, 15, 22, 23, 24, 31];
+    (0..4).fold(0, |out, p| {
+        let bits = pair_bits(w, p);
+        AT.iter().enumerate().fold(out, |out, (i, &at)| {
+            out | ((bits >> at) & 1) << (8 * p + i)
+        })
+    })
+}
 
 /// Eight codes (columns 0..7, column c in bits 4c..4c+3, the file order:
-/// element 2i in the low nibble of byte i) in the kernels' order.
+/// element 2i in the low nibble of byte i) in the kernels' order: the word
+/// `decoded` takes back to them. `decoded` is linear and invertible, so the
+/// word is the XOR of the words that decode to each of the file word's set
+/// bits (found once, by Gauss-Jordan elimination over GF(2)).
 fn kernel_code_order(file: u32) -> u32 {
-    (0..8).fold(0, |out, c| {
-        let code = (file >> (4 * c)) & 0xf;
-        let (pair, up) = (c as usize / 2, 16 * (c % 2));
-        PAIR_BITS[pair]
-            .iter()
-            .enumerate()
-            .fold(out, |out, (bit, &at)| {
-                out | ((code >> bit) & 1) << (at + up)
-            })
-    })
+    static ENCODE: std::sync::OnceLock<[u32; 32]> = std::sync::OnceLock::new();
+    let encode = ENCODE.get_or_init(|| {
+        // Rows pair a decoded word with the word that decodes to it; reduced
+        // until row k decodes to bit k alone.
+        let mut rows: [(u32, u32); 32] = std::array::from_fn(|i| (decoded(1 << i), 1 << i));
+        for bit in 0..32 {
+            let pivot = (bit..32)
+                .find(|&r| (rows[r].0 >> bit) & 1 == 1)
+                .expect("pair_bits loses no bit of the word");
+            rows.swap(bit, pivot);
+            let (out, word) = rows[bit];
+            for (r, row) in rows.iter_mut().enumerate() {
+                if r != bit && (row.0 >> bit) & 1 == 1 {
+                    *row = (row.0 ^ out, row.1 ^ word);
+                }
+            }
+        }
+        rows.map(|(_, word)| word)
+    });
+    (0..32)
+        .filter(|k| (file >> k) & 1 == 1)
+        .fold(0, |w, k| w ^ encode[k])
 }
 
 /// Rows of a tile and columns of a chunk in the kernels' tiled layout.
@@ -827,29 +865,12 @@ mod tests {
         (0..count).map(|i| first + step * i).collect()
     }
 
-    /// `fp4_pair_bits` of `fp4.cu`, transcribed: column pair p of a word in
-    /// the kernels' order as bf16x2 bits (times 2^-126).
-    fn pair_bits(w: u32, p: usize) -> u32 {
-        if p < 3 {
-            (w << (3 * p)) & 0x81c0_81c0
-        } else {
-            ((w >> 6) & 0x0180_0180) | ((w >> 4) & 0x0040_0040) | ((w << 4) & 0x8000_8000)
-        }
-    }
-
     #[test]
     fn codes_are_reordered_so_each_pair_decodes_in_place() {
-        // Every bit of the word is used once.
-        assert_eq!(kernel_code_order(0xffff_ffff), 0xffff_ffff);
-        assert_eq!(kernel_code_order(0), 0);
-        // Column 0 all ones: bf16 bits 6-8 and 15; column 7: pair 3's, up 16.
-        assert_eq!(kernel_code_order(0xf), 0x81c0);
-        assert_eq!(kernel_code_order(0xf000_0000), 0x6c00 << 16);
         // Each pair decodes to its two columns' bf16 bits (magnitude at 8..6,
-        // sign at 15), whatever the codes.
-        let mut file = 0x9e37_79b9u32;
-        for _ in 0..1000 {
-            file = file.wrapping_mul(0x2c1b_3c6d).wrapping_add(0x297a_2d39);
+        // sign at 15), whatever the codes: every code alone in every column,
+        // then random words.
+        let check = |file: u32| {
             let w = kernel_code_order(file);
             for p in 0..4 {
                 let bf16 = |c: u32| {
@@ -859,6 +880,14 @@ mod tests {
                 let want = bf16(2 * p as u32) | bf16(2 * p as u32 + 1) << 16;
                 assert_eq!(pair_bits(w, p), want, "{file:#010x} pair {p}");
             }
+        };
+        for column in 0..8 {
+            (0..16).for_each(|code| check(code << (4 * column)));
+        }
+        let mut file = 0x9e37_79b9u32;
+        for _ in 0..1000 {
+            file = file.wrapping_mul(0x2c1b_3c6d).wrapping_add(0x297a_2d39);
+            check(file);
         }
     }
 
