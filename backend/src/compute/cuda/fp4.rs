@@ -137,9 +137,9 @@ fn decoded(w: u32) -> u32 {
     const AT: [u32; 8] = [6, 7, 8, 15, 22, 23, 24, 31];
     (0..4).fold(0, |out, p| {
         let bits = pair_bits(w, p);
-        AT.iter().enumerate().fold(out, |out, (i, &at)| {
-            out | ((bits >> at) & 1) << (8 * p + i)
-        })
+        AT.iter()
+            .enumerate()
+            .fold(out, |out, (i, &at)| out | ((bits >> at) & 1) << (8 * p + i))
     })
 }
 
