@@ -131,15 +131,16 @@ fn pair_bits(w: u32, p: usize) -> u32 {
 }
 
 /// Everything `pair_bits` gives out of a word, as eight codes in the file's
-/// order: pair p's bits (6, 7, 8, 15, 22, 23, 24, 31) as byte p's bits 0-7
-/// (m0 e0 e1 s of column 2p, then of column 2p + 1). Linear over GF(2).
+/// order: pair p's `PAIR_MASK` bits (6, 7, 8, 15, 22, 23, 24, 31) as byte
+/// p's bits 0-7 (m0 e0 e1 s of column 2p, then of column 2p + 1). Linear
+/// over GF(2).
 fn decoded(w: u32) -> u32 {
-    const AT: [u32; 8] = [6, 7, 8, 15, 22, 23, 24, 31];
+    let mask_bits = || (0..32).filter(|b| (PAIR_MASK >> b) & 1 == 1);
     (0..4).fold(0, |out, p| {
         let bits = pair_bits(w, p);
-        AT.iter()
+        mask_bits()
             .enumerate()
-            .fold(out, |out, (i, &at)| out | ((bits >> at) & 1) << (8 * p + i))
+            .fold(out, |out, (i, at)| out | ((bits >> at) & 1) << (8 * p + i))
     })
 }
 
@@ -147,9 +148,10 @@ fn decoded(w: u32) -> u32 {
 /// element 2i in the low nibble of byte i) in the kernels' order: the word
 /// `decoded` takes back to them. `decoded` is linear and invertible, so the
 /// word is the XOR of the words that decode to each of the file word's set
-/// bits (found once, by Gauss-Jordan elimination over GF(2)).
+/// bits (found once, by Gauss-Jordan elimination over GF(2)), kept as one
+/// table per file byte: four lookups a word while a model loads.
 fn kernel_code_order(file: u32) -> u32 {
-    static ENCODE: std::sync::OnceLock<[u32; 32]> = std::sync::OnceLock::new();
+    static ENCODE: std::sync::OnceLock<[[u32; 256]; 4]> = std::sync::OnceLock::new();
     let encode = ENCODE.get_or_init(|| {
         // Rows pair a decoded word with the word that decodes to it; reduced
         // until row k decodes to bit k alone.
@@ -166,11 +168,18 @@ fn kernel_code_order(file: u32) -> u32 {
                 }
             }
         }
-        rows.map(|(_, word)| word)
+        std::array::from_fn(|byte| {
+            std::array::from_fn(|value| {
+                (0..8)
+                    .filter(|i| (value >> i) & 1 == 1)
+                    .fold(0, |w, i| w ^ rows[8 * byte + i].1)
+            })
+        })
     });
-    (0..32)
-        .filter(|k| (file >> k) & 1 == 1)
-        .fold(0, |w, k| w ^ encode[k])
+    file.to_le_bytes()
+        .iter()
+        .zip(encode)
+        .fold(0, |w, (&byte, table)| w ^ table[byte as usize])
 }
 
 /// Rows of a tile and columns of a chunk in the kernels' tiled layout.
