@@ -361,8 +361,10 @@ struct fp4_bool {
     static constexpr bool value = B;
 };
 
-// The stage after stage s of a GEMV pipeline.
-__device__ __forceinline__ int gemv_next_stage(int s) { return s + 1 == GEMV_STAGES ? 0 : s + 1; }
+// The stage after stage s of a GEMV pipeline (of two: a flip, 3-4 SASS
+// instructions a loop fewer than a compare and select).
+static_assert(GEMV_STAGES == 2, "gemv_next_stage flips between two stages");
+__device__ __forceinline__ int gemv_next_stage(int s) { return s ^ 1; }
 
 // Lane row g's x for each token tile, from column `col`: token nt * 8 + g, or
 // token n - 1 past the last (its sums are never stored; no predicate, no zeros).
@@ -604,6 +606,13 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     const bf16* x_tok[NT] = {};
     if constexpr (!X_SMEM) fp4_x_lanes<NT>(x_tok, x, g, n, cols, x_col);
 
+    // Warp 0 loads a tile's end inputs (Fp4TileIn) as the tile starts, but
+    // in the NVFP4 threes at its end: held through the tile, their 6
+    // registers made that kernel spill (128 registers; gate/up at 16 tokens
+    // +5% loaded late, on an H100), while the MXFP4 threes fit them and lose
+    // 3-7% loading late (BENCHMARKS.md).
+    constexpr bool TILE_IN_LATE = NV && TILES == 3;
+
     // The tiles, with x's loads bounded where the last chunk is partial.
     auto run = [&](auto whole_chunks) {
         [[maybe_unused]] constexpr bool WHOLE = decltype(whole_chunks)::value;  // (unused with X_SMEM)
@@ -615,7 +624,8 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
             for (int k = 0; k < TILES; k++) {
                 ra[k] = fp4_tile_row<MODE>(tile + k, g);
                 rb[k] = ra[k] + fp4_b_rows<MODE>();
-                in[k] = warp == 0 ? fp4_tile_in<MODE>(epi, row_scale, y, ra[k], rb[k], rows) : Fp4TileIn{};
+                in[k] = warp == 0 && !TILE_IN_LATE ? fp4_tile_in<MODE>(epi, row_scale, y, ra[k], rb[k], rows)
+                                                   : Fp4TileIn{};
             }
             float acc[TILES][NT][4] = {};
             for (int j = 0, xo = 0; j < per_tile; j++, xo += GEMV_WARPS * 128) {
@@ -671,7 +681,11 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
             }
 #pragma unroll
             for (int k = 0; k < TILES; k++)
-                if (k == 0 || tile + k < tiles) finish_tile(tl * TILES + k, ra[k], rb[k], in[k], acc[k]);
+                if (k == 0 || tile + k < tiles)
+                    finish_tile(tl * TILES + k, ra[k], rb[k],
+                                TILE_IN_LATE && warp == 0 ? fp4_tile_in<MODE>(epi, row_scale, y, ra[k], rb[k], rows)
+                                                          : in[k],
+                                acc[k]);
         }
     };
     if ((cols & 127) == 0)
