@@ -361,7 +361,7 @@ struct fp4_bool {
     static constexpr bool value = B;
 };
 
-// The stage after stage s of a GEMV pipeline (of two: a flip, 3-4 SASS
+// The stage after stage s of a GEMV pipeline (of two: a flip, 4-5 SASS
 // instructions a loop fewer than a compare and select).
 static_assert(GEMV_STAGES == 2, "gemv_next_stage flips between two stages");
 __device__ __forceinline__ int gemv_next_stage(int s) { return s ^ 1; }
