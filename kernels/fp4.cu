@@ -620,12 +620,12 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
             const int tile = ((int)blockIdx.y + tl * (int)gridDim.y) * TILES;
             int ra[TILES], rb[TILES];
             Fp4TileIn in[TILES];
+            auto tile_in = [&](int k) { return fp4_tile_in<MODE>(epi, row_scale, y, ra[k], rb[k], rows); };
 #pragma unroll
             for (int k = 0; k < TILES; k++) {
                 ra[k] = fp4_tile_row<MODE>(tile + k, g);
                 rb[k] = ra[k] + fp4_b_rows<MODE>();
-                in[k] = warp == 0 && !TILE_IN_LATE ? fp4_tile_in<MODE>(epi, row_scale, y, ra[k], rb[k], rows)
-                                                   : Fp4TileIn{};
+                in[k] = warp == 0 && !TILE_IN_LATE ? tile_in(k) : Fp4TileIn{};
             }
             float acc[TILES][NT][4] = {};
             for (int j = 0, xo = 0; j < per_tile; j++, xo += GEMV_WARPS * 128) {
@@ -682,10 +682,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
 #pragma unroll
             for (int k = 0; k < TILES; k++)
                 if (k == 0 || tile + k < tiles)
-                    finish_tile(tl * TILES + k, ra[k], rb[k],
-                                TILE_IN_LATE && warp == 0 ? fp4_tile_in<MODE>(epi, row_scale, y, ra[k], rb[k], rows)
-                                                          : in[k],
-                                acc[k]);
+                    finish_tile(tl * TILES + k, ra[k], rb[k], TILE_IN_LATE && warp == 0 ? tile_in(k) : in[k], acc[k]);
         }
     };
     if ((cols & 127) == 0)
