@@ -436,7 +436,9 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     constexpr int SCALE_ROW = fp4_scale_row<NV>();
     constexpr u32 ITEM_SCALES = 16 * SCALE_ROW;  // a chunk's scale bytes
     extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ float partial[2][GEMV_WARPS][NT][32][4];
+    // The warps' partial sums: two tiles' (alternate halves, TILES = 1) or
+    // a group's (TILES = 2, 3), one slice a tile.
+    __shared__ float partial[TILES > 2 ? TILES : 2][GEMV_WARPS][NT][32][4];
     __shared__ float sumsq[GEMV_WARPS];
     // The fused (one-token) kernels copy x's 256 bytes of a chunk into an x
     // stage beside the chunk's (same index, same copy group), piece p (8
@@ -501,11 +503,12 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
         rope_pos = ld_early(epi.rope.positions);
     }
 
-    // A tile's end: the warps' partial sums added in a fixed order. Partial
-    // sums of alternate tiles in alternate halves, so one barrier a tile
-    // suffices (warp 0 reads half tl & 1 before any warp can pass the next
-    // tile's barrier and write it again). (Named barriers that kept only warp
-    // 0 waiting read the same, BENCHMARKS.md.)
+    // A tile's end (TILES = 1; a group of tiles ends in `run` below): the
+    // warps' partial sums added in a fixed order. Partial sums of alternate
+    // tiles in alternate halves, so one barrier a tile suffices (warp 0 reads
+    // half tl & 1 before any warp can pass the next tile's barrier and write
+    // it again). (Named barriers that kept only warp 0 waiting read the
+    // same, BENCHMARKS.md.)
     auto finish_tile = [&](int tl, int ra, int rb, const Fp4TileIn& in, const float (&acc)[NT][4]) {
         const int half = tl & 1;
 #pragma unroll
@@ -606,27 +609,21 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     const bf16* x_tok[NT] = {};
     if constexpr (!X_SMEM) fp4_x_lanes<NT>(x_tok, x, g, n, cols, x_col);
 
-    // Warp 0 loads a tile's end inputs (Fp4TileIn) as the tile starts, but
-    // in the NVFP4 threes at its end: held through the tile, their 6
-    // registers made that kernel spill (128 registers; gate/up at 16 tokens
-    // +5% loaded late, on an H100), while the MXFP4 threes fit them and lose
-    // 3-7% loading late (BENCHMARKS.md).
-    constexpr bool TILE_IN_LATE = NV && TILES == 3;
-
     // The tiles, with x's loads bounded where the last chunk is partial.
     auto run = [&](auto whole_chunks) {
         [[maybe_unused]] constexpr bool WHOLE = decltype(whole_chunks)::value;  // (unused with X_SMEM)
         for (int tl = 0; tl < my_groups; tl++) {
             const int tile = ((int)blockIdx.y + tl * (int)gridDim.y) * TILES;
-            int ra[TILES], rb[TILES];
-            Fp4TileIn in[TILES];
-            auto tile_in = [&](int k) { return fp4_tile_in<MODE>(epi, row_scale, y, ra[k], rb[k], rows); };
-#pragma unroll
-            for (int k = 0; k < TILES; k++) {
-                ra[k] = fp4_tile_row<MODE>(tile + k, g);
-                rb[k] = ra[k] + fp4_b_rows<MODE>();
-                in[k] = warp == 0 && !TILE_IN_LATE ? tile_in(k) : Fp4TileIn{};
-            }
+            // The rows this warp ends and their inputs (Fp4TileIn), loaded
+            // now so that the trip passes under the chunks: warp 0 the
+            // tile's (TILES = 1), warp k < TILES tile k of the group (2
+            // registers a warp where warp 0 used to hold the group's 6, which
+            // made the NVFP4 threes spill).
+            const int ends = TILES == 1 ? 0 : warp;
+            const int ra = fp4_tile_row<MODE>(tile + ends, g), rb = ra + fp4_b_rows<MODE>();
+            const Fp4TileIn in = (TILES == 1 ? warp == 0 : warp < TILES)
+                                     ? fp4_tile_in<MODE>(epi, row_scale, y, ra, rb, rows)
+                                     : Fp4TileIn{};
             float acc[TILES][NT][4] = {};
             for (int j = 0, xo = 0; j < per_tile; j++, xo += GEMV_WARPS * 128) {
                 uint4 xv[NT][4];
@@ -679,10 +676,40 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                     __syncwarp();  // every lane has read the stage before the next issue refills it
                 }
             }
+            if constexpr (TILES == 1) {
+                finish_tile(tl, ra, rb, in, acc[0]);
+            } else {
+                // The group's end: every warp's sums of all its tiles in
+                // shared memory, one barrier, then warp k adds up tile k in
+                // the fixed warp order (the same bits as finish_tile), the
+                // adders side by side while the other warps go on to the next
+                // group. (One barrier and warp 0 adding a tile, TILES times
+                // over, kept every warp waiting at the second and third
+                // barrier: an 8B layer at 16 tokens 1,634 -> 1,762 GB/s
+                // MXFP4, 1,648 -> 1,822 NVFP4 this way, on an H100,
+                // BENCHMARKS.md.) The barrier before: the last group's
+                // adders are done reading.
+                if (tl > 0) __syncthreads();
 #pragma unroll
-            for (int k = 0; k < TILES; k++)
-                if (k == 0 || tile + k < tiles)
-                    finish_tile(tl * TILES + k, ra[k], rb[k], TILE_IN_LATE && warp == 0 ? tile_in(k) : in[k], acc[k]);
+                for (int k = 0; k < TILES; k++)
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                        for (int i = 0; i < 4; i++) partial[k][warp][nt][lane][i] = acc[k][nt][i];
+                __syncthreads();
+                if (warp < TILES && (warp == 0 || tile + warp < tiles)) {
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                        for (int i = 0; i < 4; i++) {
+                            float s = 0.0f;
+#pragma unroll
+                            for (int w = 0; w < GEMV_WARPS; w++) s += partial[warp][w][nt][lane][i];
+                            fp4_store(y, i < 2 ? in.scale_a : in.scale_b, s, i < 2 ? ra : rb,
+                                      nt * 8 + 2 * t + (i & 1), n, rows, out_pow2, accumulate);
+                        }
+                }
+            }
         }
     };
     if ((cols & 127) == 0)
