@@ -731,7 +731,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
 // Blocks an SM (fp4.rs asks the driver how many fit and launches as many):
 // 3, at up to 80 registers (at 64, for 4, the second token tile's
 // accumulators and x spill, and the 8-token kernel recomputes more); the
-// 16-token kernels, with two or three row tiles' sums, 2 (117-125 registers).
+// 16-token kernels, with two or three row tiles' sums, 2 (115-123 registers).
 #define FP4_GEMV_N8 __launch_bounds__(GEMV_WARPS * 32, 3)
 #define FP4_GEMV_N16 __launch_bounds__(GEMV_WARPS * 32, 2)
 // The norm + SwiGLU kernel (gate/up: 1,792 row tiles for an 8B model, more
