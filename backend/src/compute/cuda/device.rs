@@ -126,7 +126,10 @@ impl Gpu {
             let cubin = nvrtc::compile_cached(file, &arch)?;
             let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
             for name in kernel_names(file.source) {
-                let f = module.load_function(&name)?;
+                // A name read wrong from the source (`kernel_names`) fails here.
+                let f = module.load_function(&name).map_err(|e| {
+                    GpuError::Other(format!("kernel `{name}` of {}: {e}", file.name))
+                })?;
                 functions.insert(name, f);
             }
             tracing::debug!(file = file.name, %arch, ms = started.elapsed().as_millis() as u64, "kernels loaded");
@@ -606,7 +609,9 @@ pub fn elementwise(n: usize) -> LaunchConfig {
     grid((blocks, 1, 1), 256, 0)
 }
 
-/// The names of the `extern "C" __global__` functions in a kernel source.
+/// The names of the `extern "C" __global__` functions in a kernel source,
+/// read from the text: each kernel must be written out, not made by a macro
+/// (whose parameter would be read as the name; a test checks the files).
 pub fn kernel_names(source: &str) -> Vec<String> {
     let mut names = Vec::new();
     for part in source.split("extern \"C\" __global__").skip(1) {
@@ -724,6 +729,39 @@ mod tests {
             kernel_bodies(late)[0].trim(),
             "p[0] = 1;\n    wait_for_previous_kernels();"
         );
+    }
+
+    /// The first line (1-based) of `source` that defines a kernel inside a
+    /// macro: on a `#define` line or one that a backslash continues.
+    fn kernel_inside_a_macro(source: &str) -> Option<usize> {
+        let mut continued = false;
+        for (i, line) in source.lines().enumerate() {
+            let in_macro = continued || line.trim_start().starts_with("#define");
+            if in_macro && line.contains("extern \"C\" __global__") {
+                return Some(i + 1);
+            }
+            continued = line.trim_end().ends_with('\\');
+        }
+        None
+    }
+
+    /// A kernel defined inside a macro would be read under the macro's
+    /// parameter name and fail to load with every other kernel of its file.
+    #[test]
+    fn no_kernel_is_defined_inside_a_macro() {
+        for file in KERNEL_FILES {
+            assert_eq!(kernel_inside_a_macro(file.source), None, "{}", file.name);
+        }
+        let made =
+            "#define K(NAME) \\\n    extern \"C\" __global__ void NAME(int* p) { \\\n    }\nK(a)\n";
+        assert_eq!(kernel_names(made), ["NAME"]);
+        assert_eq!(kernel_inside_a_macro(made), Some(2));
+        let one_line = "#define K extern \"C\" __global__ void k(int* p) {}\n";
+        assert_eq!(kernel_inside_a_macro(one_line), Some(1));
+        let after_a_macro =
+            "#define X(a) \\\n    (a)\nextern \"C\" __global__ void k(int* p) {\n}\n";
+        assert_eq!(kernel_inside_a_macro(after_a_macro), None);
+        assert_eq!(kernel_names(after_a_macro), ["k"]);
     }
 
     #[test]
