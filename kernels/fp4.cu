@@ -424,13 +424,23 @@ __device__ __forceinline__ void fp4_fused_store(const Fp4Epilogue& epi, float (*
 // GB/s on an H100, and threes read gate/up and qkv 8-10% faster again, but
 // leave a third of the SMs idle on a 4,096-row matrix (at 8 tokens pairs
 // lost 2-3%; four tiles spill; BENCHMARKS.md).
-template <bool NV, int NT, int MODE = FP4_PLAIN, int TILES = 1>
+//
+// ROTATE (the 16-token pairs' `_rot` kernels, fast numerics only: fp4.rs,
+// gemv_rotates): block y takes its warps' chunks from item y mod
+// per_tile on, wrapping, so that the blocks do not all read the same lines
+// of x at once. Each warp's sums then come in another order, so these are
+// not the GEMV's bits. With 14 items a warp (down, 14,336 columns) x's L2
+// lines were a hot spot: down read 9-10% faster at 16 tokens on an H100
+// rotated; with 4 items a warp only 4 orders exist and qkv, o and gate/up
+// read 1-9% slower (BENCHMARKS.md).
+template <bool NV, int NT, int MODE = FP4_PLAIN, int TILES = 1, bool ROTATE = false>
 __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
                                          const float* __restrict__ row_scale, const bf16* __restrict__ x,
                                          float* __restrict__ y, int n, int rows, int cols, float out_pow2, int shift,
                                          int accumulate, const Fp4Epilogue& epi = Fp4Epilogue{}) {
     static_assert(MODE == FP4_PLAIN || NT == 1, "the fused epilogues take one token");
     static_assert(TILES == 1 || (TILES <= 3 && MODE == FP4_PLAIN), "groups of tiles in the plain kernels only");
+    static_assert(!ROTATE || (MODE == FP4_PLAIN && NT == 2 && TILES == 2), "rotated orders: the 16-token pairs");
     constexpr u32 STAGE_BYTES = TILES * GEMV_STAGE_BYTES;  // a warp's stage: the tiles' chunks one after another
     constexpr bool NORM = MODE == FP4_NORM_ROPE || MODE == FP4_NORM_SWIGLU;
     constexpr int SCALE_ROW = fp4_scale_row<NV>();
@@ -550,6 +560,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     const unsigned char* src_c = codes;
     const unsigned char* src_s = scales;
     int issued = 0, tile_left = 0, next_group = blockIdx.y, write_stage = 0, read_stage = 0;
+    const int rotation = ROTATE && per_tile > 0 ? (int)blockIdx.y % per_tile : 0;
     int group_tiles = 1;
     const u32 copies_scales = opaque((u32)(lane < ITEM_SCALES / 16));
     // (bit k: this lane copies its row lane / 16 + 2k; one row: lanes 16-31)
@@ -564,7 +575,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     auto issue = [&]() {
         if (issued < items) {
             if (tile_left == 0) {
-                const u32 item = (u32)(next_group * TILES) * (u32)chunks + warp;
+                const u32 item = (u32)(next_group * TILES) * (u32)chunks + warp + GEMV_WARPS * rotation;
                 src_c = codes + item * 1024u + 16 * lane;
                 src_s = scales + item * ITEM_SCALES + 16 * lane;
                 x_col_copy = warp * 128 + 8 * (lane & 15);
@@ -598,6 +609,10 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
             write_stage = gemv_next_stage(write_stage);
             src_c += GEMV_WARPS * 1024;
             src_s += GEMV_WARPS * ITEM_SCALES;
+            if (ROTATE && per_tile - tile_left + 1 == per_tile - rotation) {  // past the tile's last: its first
+                src_c -= per_tile * GEMV_WARPS * 1024;
+                src_s -= per_tile * GEMV_WARPS * ITEM_SCALES;
+            }
             issued++;
             tile_left--;
         }
@@ -625,7 +640,8 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                                      ? fp4_tile_in<MODE>(epi, row_scale, y, ra, rb, rows)
                                      : Fp4TileIn{};
             float acc[TILES][NT][4] = {};
-            for (int j = 0, xo = 0; j < per_tile; j++, xo += GEMV_WARPS * 128) {
+            for (int j = 0, xo = GEMV_WARPS * 128 * rotation; j < per_tile; j++, xo += GEMV_WARPS * 128) {
+                if (ROTATE && j == per_tile - rotation) xo = 0;
                 uint4 xv[NT][4];
                 if constexpr (X_SMEM) {
                     // read from the stage below, once it is in
@@ -750,6 +766,14 @@ extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_mx_n16(FP4_ARGS) {
 extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_mx_n16_t3(FP4_ARGS) {
     wait_for_previous_kernels();
     fp4_gemv<false, 2, FP4_PLAIN, 3>(FP4_PASS);
+}
+extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_mx_n16_rot(FP4_ARGS) {
+    wait_for_previous_kernels();
+    fp4_gemv<false, 2, FP4_PLAIN, 2, true>(FP4_PASS);
+}
+extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_nv_n16_rot(FP4_ARGS) {
+    wait_for_previous_kernels();
+    fp4_gemv<true, 2, FP4_PLAIN, 2, true>(FP4_PASS);
 }
 extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_nv_n8(FP4_ARGS) {
     wait_for_previous_kernels();

@@ -49,6 +49,18 @@ fn gemv_tiles(tokens: usize, row_tiles: usize, sm_count: u32) -> u32 {
     }
 }
 
+/// Whether the GEMV for blocks of `tokens` tokens in groups of `tiles` row
+/// tiles over `cols` columns runs `fp4.cu`'s rotated chunk orders (the
+/// `_rot` kernels): only for the fastest order (they are not the GEMV's
+/// bits), at 16 tokens in pairs, and where a warp has 8 chunks of a tile or
+/// more (8,192 columns: an 8B model's down projection). There all blocks
+/// reading the same x at once made x's lines a hot spot (down 9-10% faster
+/// rotated on an H100); with fewer chunks too few orders exist, and the
+/// narrower matrices read slower (BENCHMARKS.md).
+fn gemv_rotates(order: SumOrder, tokens: usize, tiles: u32, cols: usize) -> bool {
+    order == SumOrder::Fastest && tokens == 16 && tiles == 2 && cols >= 8 * FP4_WARPS as usize * 128
+}
+
 /// Warps per block of the kernels (`fp4.cu`'s GEMV_WARPS).
 const FP4_WARPS: u32 = 8;
 
@@ -421,8 +433,9 @@ impl Fp4Weights {
 
     /// `y[j, r] (+)= sum_c w[r, c] x[j, c]` for `j < n`: `x` is `n` rows of
     /// `cols` BF16 values, `y` `n` rows of `rows` f32, added to with
-    /// `accumulate`. Each token's sums are taken in the same order whatever
-    /// `n` is (batch-invariant).
+    /// `accumulate`. In `SumOrder::AsGemv` each token's sums are taken in
+    /// the same order whatever `n` is (batch-invariant); `Fastest` may take
+    /// another (`gemv_rotates`).
     pub fn gemv(
         &self,
         gpu: &Gpu,
@@ -430,12 +443,13 @@ impl Fp4Weights {
         y: DevPtr,
         n: usize,
         accumulate: bool,
+        order: SumOrder,
     ) -> Result<(), GpuError> {
         if n == 0 {
             return Ok(());
         }
         let kernel = format!("n{}", gemv_tokens_per_block(n));
-        self.launch_gemv(gpu, &kernel, x, y, n, accumulate, &[])
+        self.launch_gemv(gpu, &kernel, x, y, n, accumulate, order, &[])
     }
 
     /// One token's GEMV with a fused epilogue (`fp4.cu`'s FP4_NORM_ROPE and
@@ -457,12 +471,23 @@ impl Fp4Weights {
                 self.rows
             )));
         }
-        self.launch_gemv(gpu, &format!("{kernel}_n1"), x, y, 1, accumulate, epilogue)
+        let order = SumOrder::AsGemv; // (one order: the fused kernels have no rotated forms)
+        self.launch_gemv(
+            gpu,
+            &format!("{kernel}_n1"),
+            x,
+            y,
+            1,
+            accumulate,
+            order,
+            epilogue,
+        )
     }
 
     /// Launches `fp4_gemv_{mx|nv}_{kernel}` with the GEMV's parameters, then
     /// `extra`: as many blocks as the GPU holds at once, walking the row tiles
-    /// in groups of `gemv_tiles` (the kernel's TILES).
+    /// in groups of `gemv_tiles` (the kernel's TILES), in rotated orders
+    /// where `gemv_rotates`.
     #[allow(clippy::too_many_arguments)]
     fn launch_gemv(
         &self,
@@ -472,6 +497,7 @@ impl Fp4Weights {
         y: DevPtr,
         n: usize,
         accumulate: bool,
+        order: SumOrder,
         extra: &[&dyn KernelArg],
     ) -> Result<(), GpuError> {
         self.in_hopper_order()?;
@@ -482,7 +508,11 @@ impl Fp4Weights {
             Fp4Format::Mxfp4 => "mx",
             Fp4Format::Nvfp4 => "nv",
         };
-        let groups_of = if tiles == 3 { "_t3" } else { "" };
+        let groups_of = match tiles {
+            3 => "_t3",
+            _ if gemv_rotates(order, tokens, tiles, self.cols) => "_rot",
+            _ => "",
+        };
         let name = format!("fp4_gemv_{format}_{kernel}{groups_of}");
         // The kernel addresses a matrix's codes with 32-bit offsets.
         if self.codes.len() > u32::MAX as usize {
@@ -740,7 +770,7 @@ pub fn fp4_sweep(
                     let (xp, yp) = (gpu.ptr(&x, 0), gpu.ptr(&y, 0));
                     for w in &all {
                         if tokens <= FP4_GEMV_MAX_TOKENS {
-                            w.gemv(gpu, xp, yp, tokens, false)?;
+                            w.gemv(gpu, xp, yp, tokens, false, SumOrder::Fastest)?;
                         } else {
                             let part = gpu.ptr(&part, 0);
                             w.gemm(gpu, xp, yp, part, tokens, false, SumOrder::Fastest)?;

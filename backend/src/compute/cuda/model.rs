@@ -495,7 +495,7 @@ impl CudaLlama {
         }
         ws.reserve(gpu, c, n, m, plan.decode_splits)?;
         match ws.fp4_path(n, self.fp4_blockscaled(), self.fp4_fast_gemm_max()) {
-            Fp4Path::Gemv => {}
+            Fp4Path::Gemv(_) => {}
             Fp4Path::Gemm(order) => ws.reserve_fp4_part(gpu, self.fp4_gemm_scratch(n, order))?,
             Fp4Path::Dequantize => ws.reserve_dequant(gpu, self.largest_fp4())?,
             Fp4Path::BlockScaled => ws.reserve_fp4_part(gpu, self.fp4_blockscaled_scratch(n))?,
@@ -606,7 +606,7 @@ impl CudaLlama {
         let fp4_path = ws.fp4_path(n, self.fp4_blockscaled(), self.fp4_fast_gemm_max());
         let linear = |w: &Linear, x, y, rows, cols, accumulate| match (w, fp4_path) {
             (Linear::Bf16(w), _) => gemm(b(w), x, y, n, rows, cols, accumulate),
-            (Linear::Fp4(w), Fp4Path::Gemv) => w.gemv(gpu, x, y, n, accumulate),
+            (Linear::Fp4(w), Fp4Path::Gemv(order)) => w.gemv(gpu, x, y, n, accumulate, order),
             (Linear::Fp4(w), Fp4Path::Gemm(order)) => {
                 w.gemm(gpu, x, y, p(&ws.fp4_part), n, accumulate, order)
             }
@@ -1017,7 +1017,9 @@ pub struct Workspace {
 /// How a step multiplies FP4 weights (`fp4_path`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Fp4Path {
-    Gemv,
+    /// Up to FP4_GEMV_MAX_TOKENS: the GEMV, in the GEMV's order
+    /// (batch-invariant) or the fastest (`fp4::gemv_rotates`).
+    Gemv(SumOrder),
     Gemm(SumOrder),
     Dequantize,
     /// Blackwell's block-scaled MMA, any number of tokens (`fp4_blackwell`).
@@ -1028,7 +1030,10 @@ enum Fp4Path {
 fn fp4_path(numerics: Numerics, tokens: usize, blockscaled: bool, fast_gemm_max: usize) -> Fp4Path {
     match numerics {
         _ if blockscaled => Fp4Path::BlockScaled,
-        _ if tokens <= FP4_GEMV_MAX_TOKENS => Fp4Path::Gemv,
+        Numerics::BatchInvariant if tokens <= FP4_GEMV_MAX_TOKENS => {
+            Fp4Path::Gemv(SumOrder::AsGemv)
+        }
+        Numerics::Fast if tokens <= FP4_GEMV_MAX_TOKENS => Fp4Path::Gemv(SumOrder::Fastest),
         Numerics::BatchInvariant => Fp4Path::Gemm(SumOrder::AsGemv),
         Numerics::Fast if tokens <= fast_gemm_max => Fp4Path::Gemm(SumOrder::Fastest),
         Numerics::Fast => Fp4Path::Dequantize,
@@ -1175,8 +1180,9 @@ mod tests {
         assert!(e.contains("16 query heads per KV head"), "{e}");
     }
 
-    /// Batch-invariant steps never leave the GEMV's sums (the GEMM in its
-    /// order past 16 tokens, at any size); fast ones pick by size, the GEMM
+    /// Batch-invariant steps never leave the GEMV's sums (the GEMV in its
+    /// order, the GEMM in that order past 16 tokens, at any size); fast ones
+    /// pick by size, the GEMV in the fastest order, the GEMM
     /// up to the GPU's limit (64 on `mma.sync`, 256 on warpgroup MMAs).
     #[test]
     fn fp4_paths_by_numerics_and_size() {
@@ -1185,8 +1191,14 @@ mod tests {
         let (mma, wgmma) = (FP4_GEMM_MAX_TOKENS, FP4_WGMMA_GEMM_MAX_TOKENS);
         for limit in [mma, wgmma] {
             for n in [1, 8, 16] {
-                assert_eq!(fp4_path(Numerics::BatchInvariant, n, false, limit), Gemv);
-                assert_eq!(fp4_path(Numerics::Fast, n, false, limit), Gemv);
+                assert_eq!(
+                    fp4_path(Numerics::BatchInvariant, n, false, limit),
+                    Gemv(SumOrder::AsGemv)
+                );
+                assert_eq!(
+                    fp4_path(Numerics::Fast, n, false, limit),
+                    Gemv(SumOrder::Fastest)
+                );
             }
             for n in [17, 64, 65, 257, 8192] {
                 assert_eq!(

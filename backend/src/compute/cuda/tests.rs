@@ -506,7 +506,7 @@ fn sumsq_tiles(x: &[f32]) -> Vec<f32> {
 /// they differ in where BF16 rounds.
 #[test]
 fn fused_fp4_one_token_gemvs_equal_the_separate_kernels() {
-    use super::fp4::Fp4Weights;
+    use super::fp4::{Fp4Weights, SumOrder};
     use crate::compute::fp4::{Fp4Format, Fp4Matrix};
     let Some(gpu) = gpu() else { return };
     // 512 columns: whole 128-column chunks; 576 (SmolLM2's): a partial last
@@ -549,7 +549,9 @@ fn fused_fp4_one_token_gemvs_equal_the_separate_kernels() {
                 layers::rms_norm(&gpu, dx_p, 0, dg_p, xn_p, 1, hidden, c.rms_eps).unwrap();
                 let qkv = gpu.alloc::<f32>(qkv_rows).unwrap();
                 let qkv_p = gpu.ptr(&qkv, 0);
-                w_qkv.gemv(&gpu, xn_p, qkv_p, 1, false).unwrap();
+                w_qkv
+                    .gemv(&gpu, xn_p, qkv_p, 1, false, SumOrder::AsGemv)
+                    .unwrap();
                 let kv = CudaKvCache::new(&gpu, &c, 8, block_size).unwrap();
                 let (k, v) = kv.layer(&gpu, 0);
                 let q = gpu.alloc::<u16>(q_dim).unwrap();
@@ -557,7 +559,9 @@ fn fused_fp4_one_token_gemvs_equal_the_separate_kernels() {
                     .unwrap();
                 let gate_up = gpu.alloc::<f32>(2 * ffn).unwrap();
                 let gate_up_p = gpu.ptr(&gate_up, 0);
-                w_gate_up.gemv(&gpu, xn_p, gate_up_p, 1, false).unwrap();
+                w_gate_up
+                    .gemv(&gpu, xn_p, gate_up_p, 1, false, SumOrder::AsGemv)
+                    .unwrap();
                 let act = gpu.alloc::<u16>(ffn).unwrap();
                 // FP4 gate/up rows alternate in runs of 8 (GATE_UP_RUN).
                 layers::silu_mul(&gpu, gate_up_p, gpu.ptr(&act, 0), 1, ffn, 8).unwrap();
@@ -599,7 +603,8 @@ fn fused_fp4_one_token_gemvs_equal_the_separate_kernels() {
             let attn_p = gpu.ptr(&attn, 0);
             let y0 = values(hidden, 47);
             let ya = gpu.upload(&y0).unwrap();
-            w_o.gemv(&gpu, attn_p, gpu.ptr(&ya, 0), 1, true).unwrap();
+            w_o.gemv(&gpu, attn_p, gpu.ptr(&ya, 0), 1, true, SumOrder::AsGemv)
+                .unwrap();
             let want = gpu.download(&ya, hidden).unwrap();
             let yb = gpu.upload(&y0).unwrap();
             let dg = gpu.upload(&g).unwrap();
@@ -886,7 +891,10 @@ fn fp4_gemv_matches_the_cpu_reference() {
     // is partial. The 16-token GEMV takes row tiles in groups: pairs on
     // small matrices, where an odd number of tiles (40 and 8 rows) leaves the
     // last pair without a second; threes on tall ones (4 x SMs + 3, + 4 and +
-    // 5 tiles: one of each remainder by 3 on any GPU).
+    // 5 tiles: one of each remainder by 3 on any GPU). Rows of 8,320 columns
+    // (65 chunks: 9 for warp 0, 8 for the others) take the 16-token pairs
+    // in rotated orders in the fastest order (fp4.rs, gemv_rotates), 21
+    // tiles of them a last pair without a second.
     let tall = 16 * 4 * gpu.sm_count as usize + 40;
     let whole_tall = tall - 40;
     for (rows, cols) in [
@@ -901,6 +909,7 @@ fn fp4_gemv_matches_the_cpu_reference() {
         (tall + 32, 1088),
         (whole_tall, 256),
         (whole_tall, 1152),
+        (328, 8320),
     ] {
         let w: Vec<f32> = values(rows * cols, 41)
             .iter()
@@ -916,17 +925,24 @@ fn fp4_gemv_matches_the_cpu_reference() {
             let mut reference = top.dequantize();
             reference.extend(bottom.dequantize());
             let dw = super::fp4::Fp4Weights::stack(&gpu, &[&top, &bottom]).unwrap();
-            use super::fp4::SumOrder;
-            let orders = [None, Some(SumOrder::Fastest), Some(SumOrder::AsGemv)];
-            for (n, gemm) in [1usize, 5, 8, 11, 16, 17, 40, 64]
+            use super::fp4::SumOrder::{AsGemv, Fastest};
+            #[derive(Clone, Copy, Debug, PartialEq)]
+            enum Path {
+                Gemv(super::fp4::SumOrder),
+                Gemm(super::fp4::SumOrder),
+            }
+            let paths = [
+                Path::Gemv(AsGemv),
+                Path::Gemv(Fastest),
+                Path::Gemm(Fastest),
+                Path::Gemm(AsGemv),
+            ];
+            for (n, path) in [1usize, 5, 8, 11, 16, 17, 40, 64]
                 .into_iter()
-                .flat_map(|n| orders.map(|o| (n, o)))
-                .chain([
-                    (100, Some(SumOrder::Fastest)),
-                    (100, Some(SumOrder::AsGemv)),
-                ])
+                .flat_map(|n| paths.map(|p| (n, p)))
+                .chain([(100, Path::Gemm(Fastest)), (100, Path::Gemm(AsGemv))])
             {
-                if rows >= whole_tall && n > 17 {
+                if (rows >= whole_tall || cols > 2048) && n > 17 {
                     continue;
                 }
                 let x = from_bf16(&to_bf16(&values(n * cols, 50 + n as u64)));
@@ -935,25 +951,32 @@ fn fp4_gemv_matches_the_cpu_reference() {
                 let mut y = gpu.upload(&before).unwrap();
                 let accumulate = n % 2 == 1;
                 let (xp, yp) = (gpu.ptr(&dx, 0), gpu.ptr(&y, 0));
-                let mut run = |order: Option<SumOrder>| {
+                let mut run = |path: Path| {
                     gpu.upload_into(&before, &mut y).unwrap();
-                    match order {
-                        Some(order) => {
+                    match path {
+                        Path::Gemm(order) => {
                             let scratch = dw.gemm_scratch(n, gpu.sm_count, order);
                             let part = gpu.alloc::<f32>(scratch.max(1)).unwrap();
                             let pp = gpu.ptr(&part, 0);
                             dw.gemm(&gpu, xp, yp, pp, n, accumulate, order).unwrap();
                         }
-                        None => dw.gemv(&gpu, xp, yp, n, accumulate).unwrap(),
+                        Path::Gemv(order) => dw.gemv(&gpu, xp, yp, n, accumulate, order).unwrap(),
                     }
                     gpu.download(&y, n * rows).unwrap()
                 };
-                if gemm == Some(SumOrder::AsGemv) {
+                if path == Path::Gemm(AsGemv) {
                     // The GEMM in the GEMV's order: the same bits.
-                    assert_eq!(run(gemm), run(None), "{format:?} {rows}x{cols} n={n}");
+                    let gemv = run(Path::Gemv(AsGemv));
+                    assert_eq!(run(path), gemv, "{format:?} {rows}x{cols} n={n}");
                     continue;
                 }
-                let got = run(gemm);
+                let got = run(path);
+                // Whatever the order, the same bits from run to run.
+                assert_eq!(
+                    run(path),
+                    got,
+                    "{format:?} {rows}x{cols} n={n} {path:?} again"
+                );
                 for (i, g) in got.iter().enumerate() {
                     let (j, r) = (i / rows, i % rows);
                     let mut e = dot(
@@ -966,7 +989,7 @@ fn fp4_gemv_matches_the_cpu_reference() {
                     let scale = 2f32.powi((r % 7) as i32 - 3);
                     assert!(
                         (g - e).abs() <= 1e-3 * e.abs().max(scale).max(1.0),
-                        "{format:?} {rows}x{cols} n={n} {gemm:?} [{j}, {r}]: {g} vs {e}"
+                        "{format:?} {rows}x{cols} n={n} {path:?} [{j}, {r}]: {g} vs {e}"
                     );
                 }
             }
