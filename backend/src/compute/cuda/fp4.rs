@@ -893,6 +893,21 @@ pub fn fp4_prefill_sweep(
 mod tests {
     use super::*;
 
+    /// Only the fastest order rotates, only the 16-token pairs, only on rows
+    /// of 8,192 columns or more: the batch-invariant GEMV keeps its bits.
+    #[test]
+    fn only_the_fastest_16_token_pairs_over_long_rows_rotate() {
+        use SumOrder::{AsGemv, Fastest};
+        assert!(gemv_rotates(Fastest, 16, 2, 14_336));
+        assert!(gemv_rotates(Fastest, 16, 2, 8_192));
+        assert!(!gemv_rotates(Fastest, 16, 2, 8_160));
+        assert!(!gemv_rotates(Fastest, 16, 3, 14_336));
+        assert!(!gemv_rotates(Fastest, 8, 1, 14_336));
+        for (tokens, tiles) in [(8, 1), (16, 2), (16, 3)] {
+            assert!(!gemv_rotates(AsGemv, tokens, tiles, 14_336));
+        }
+    }
+
     /// Split z's chunks, as fp4_gemm computes them from (per_split, step).
     fn split_chunks(z: usize, chunks: usize, per_split: usize, step: usize) -> Vec<usize> {
         let first = if step == 1 { z * per_split } else { z };
