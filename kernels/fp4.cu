@@ -430,9 +430,9 @@ __device__ __forceinline__ void fp4_fused_store(const Fp4Epilogue& epi, float (*
 // per_tile on, wrapping, so that the blocks do not all read the same lines
 // of x at once. Each warp's sums then come in another order, so these are
 // not the GEMV's bits. With 14 items a warp (down, 14,336 columns) x's L2
-// lines were a hot spot: down read 9-10% faster at 16 tokens on an H100
-// rotated; with 4 items a warp only 4 orders exist and qkv, o and gate/up
-// read 1-9% slower (BENCHMARKS.md).
+// lines were a hot spot: down read 12-13% faster at 16 tokens on an H200
+// rotated (9-10% on an H100); with 4 items a warp only 4 orders exist and
+// qkv, o and gate/up read 1-9% slower (an H100; BENCHMARKS.md).
 template <bool NV, int NT, int MODE = FP4_PLAIN, int TILES = 1, bool ROTATE = false>
 __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
                                          const float* __restrict__ row_scale, const bf16* __restrict__ x,

@@ -54,9 +54,9 @@ fn gemv_tiles(tokens: usize, row_tiles: usize, sm_count: u32) -> u32 {
 /// `_rot` kernels): only for the fastest order (they are not the GEMV's
 /// bits), at 16 tokens in pairs, and where a warp has 8 chunks of a tile or
 /// more (8,192 columns: an 8B model's down projection). There all blocks
-/// reading the same x at once made x's lines a hot spot (down 9-10% faster
-/// rotated on an H100); with fewer chunks too few orders exist, and the
-/// narrower matrices read slower (BENCHMARKS.md).
+/// reading the same x at once made x's lines a hot spot (down 12-13% faster
+/// rotated on an H200, 9-10% on an H100); with fewer chunks too few orders
+/// exist, and the narrower matrices read slower (BENCHMARKS.md).
 fn gemv_rotates(order: SumOrder, tokens: usize, tiles: u32, cols: usize) -> bool {
     order == SumOrder::Fastest && tokens == 16 && tiles == 2 && cols >= 8 * FP4_WARPS as usize * 128
 }
