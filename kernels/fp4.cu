@@ -513,6 +513,21 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
         rope_pos = ld_early(epi.rope.positions);
     }
 
+    // A plain tile's sums from the warps' parts, added in the fixed warp
+    // order that keeps them deterministic, scaled and stored.
+    auto add_and_store = [&](const float (&part)[GEMV_WARPS][NT][32][4], int ra, int rb, const Fp4TileIn& in) {
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                float s = 0.0f;
+#pragma unroll
+                for (int w = 0; w < GEMV_WARPS; w++) s += part[w][nt][lane][i];
+                fp4_store(y, i < 2 ? in.scale_a : in.scale_b, s, i < 2 ? ra : rb, nt * 8 + 2 * t + (i & 1), n, rows,
+                          out_pow2, accumulate);
+            }
+    };
+
     // A tile's end (TILES = 1; a group of tiles ends in `run` below): the
     // warps' partial sums added in a fixed order. Partial sums of alternate
     // tiles in alternate halves, so one barrier a tile suffices (warp 0 reads
@@ -537,17 +552,8 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
             if (t == 0)
                 fp4_fused_store<MODE>(epi, partial[half], sumsq, lane, ra, rb, in, rope_slot, rope_pos, y, cols,
                                       out_pow2);
-        } else {  // the fixed order of the sum keeps it deterministic
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    float s = 0.0f;
-#pragma unroll
-                    for (int w = 0; w < GEMV_WARPS; w++) s += partial[half][w][nt][lane][i];
-                    fp4_store(y, i < 2 ? in.scale_a : in.scale_b, s, i < 2 ? ra : rb, nt * 8 + 2 * t + (i & 1), n,
-                              rows, out_pow2, accumulate);
-                }
+        } else {
+            add_and_store(partial[half], ra, rb, in);
         }
     };
 
@@ -713,18 +719,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
 #pragma unroll
                         for (int i = 0; i < 4; i++) partial[k][warp][nt][lane][i] = acc[k][nt][i];
                 __syncthreads();
-                if (warp < TILES && (warp == 0 || tile + warp < tiles)) {
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                        for (int i = 0; i < 4; i++) {
-                            float s = 0.0f;
-#pragma unroll
-                            for (int w = 0; w < GEMV_WARPS; w++) s += partial[warp][w][nt][lane][i];
-                            fp4_store(y, i < 2 ? in.scale_a : in.scale_b, s, i < 2 ? ra : rb,
-                                      nt * 8 + 2 * t + (i & 1), n, rows, out_pow2, accumulate);
-                        }
-                }
+                if (warp < TILES && (warp == 0 || tile + warp < tiles)) add_and_store(partial[warp], ra, rb, in);
             }
         }
     };
