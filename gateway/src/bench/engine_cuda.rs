@@ -9,7 +9,9 @@
 use std::path::PathBuf;
 
 use serde_json::{Value, json};
-use sluice_backend::compute::cuda::bench::{attention_sweep, decode, gemv_sweep, prefill};
+use sluice_backend::compute::cuda::bench::{
+    attention_sweep, ceilings, decode, gemv_sweep, prefill,
+};
 use sluice_backend::compute::cuda::{CudaExecutor, CudaLlama, Gpu, Numerics};
 use sluice_backend::model::{LlamaConfig, WeightFormat};
 
@@ -78,10 +80,12 @@ pub fn run_cuda_engine_bench(
     let weight_gb = model.weight_bytes() as f64 / 1e9;
     let mut ex = CudaExecutor::new(model, pages, block_size)?;
     let kv_gb = (pages * block_size * ex.kv.bytes_per_token()) as f64 / 1e9;
+    let roof = ceilings(&gpu.name);
     emit(
         &json!({"bench": "setup", "gpu": gpu.name, "arch": gpu.arch, "shape": shape,
                  "weights": options.weights.to_string(), "weights_gb": weight_gb,
-                 "kv_cache_gb": kv_gb}),
+                 "kv_cache_gb": kv_gb, "roofline_hbm_tb_s": roof.hbm_bytes_per_s / 1e12,
+                 "roofline_bf16_tflops": roof.bf16_flops / 1e12, "roofline_source": roof.source}),
     );
     if options.sweeps {
         for f in gemv_sweep(&ex)? {

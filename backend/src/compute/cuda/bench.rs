@@ -1,7 +1,8 @@
 //! Measurements of the CUDA forward pass (`sluice bench engine --device
 //! cuda`): decode steps at a fixed batch and context, and whole-prompt
-//! prefill, each next to its roofline on the measured H200 ceilings
-//! (../shared/GPU.md). Times are wall-clock per step, the step including its
+//! prefill, each next to its roofline at the card's measured ceilings
+//! (`ceilings`: the H200's from ../shared/GPU.md, the H100's copy from
+//! BENCHMARKS.md). Times are wall-clock per step, the step including its
 //! host work and the copy of the sampled tokens back (what the engine pays).
 
 use std::time::Instant;
@@ -13,10 +14,44 @@ use super::executor::CudaExecutor;
 use super::model::StepOutput;
 use crate::model::{Logits, SeqChunk};
 
-/// Device-to-device copy bandwidth measured on H200 (bytes/s).
-pub const HBM_BYTES_PER_S: f64 = 4.25e12;
-/// Dense BF16 GEMM rate measured on H200 (FLOP/s).
-pub const BF16_FLOPS: f64 = 790e12;
+/// The ceilings a roofline is taken at: a card's measured device-to-device
+/// copy bandwidth (read + write counted) and dense BF16 GEMM rate.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Ceilings {
+    pub hbm_bytes_per_s: f64,
+    pub bf16_flops: f64,
+    /// Where the figures come from, printed with the bench's setup line.
+    pub source: &'static str,
+}
+
+/// The H200's ceilings (../shared/GPU.md: copy 4.25-4.3 TB/s, cuBLAS BF16
+/// 8192³ 770-800 TFLOP/s).
+pub const H200: Ceilings = Ceilings {
+    hbm_bytes_per_s: 4.25e12,
+    bf16_flops: 790e12,
+    source: "H200, measured (GPU.md)",
+};
+
+/// The ceilings for the card called `gpu_name`: the H200's measured ones;
+/// on an H100, its own measured copy (3.00 TB/s, BENCHMARKS.md, 2026-12-05)
+/// with the H200's GEMM rate (the same GH100 chip and clocks); any other
+/// card is taken at the H200's, and `source` says so.
+pub fn ceilings(gpu_name: &str) -> Ceilings {
+    if gpu_name.contains("H200") {
+        H200
+    } else if gpu_name.contains("H100") {
+        Ceilings {
+            hbm_bytes_per_s: 3.00e12,
+            bf16_flops: H200.bf16_flops,
+            source: "H100, copy measured (BENCHMARKS.md), GEMM rate the H200's",
+        }
+    } else {
+        Ceilings {
+            source: "not measured on this card: the H200's",
+            ..H200
+        }
+    }
+}
 
 #[derive(Clone, Debug, Serialize)]
 pub struct DecodeFigure {
@@ -26,7 +61,7 @@ pub struct DecodeFigure {
     pub step_ms_median: f64,
     pub tokens_per_s: f64,
     /// Weights plus every sequence's KV read once per step, at HBM speed (or
-    /// the GEMM FLOPs at the BF16 rate, if longer).
+    /// the GEMM FLOPs at the BF16 rate, if longer), at the card's `ceilings`.
     pub roofline_tokens_per_s: f64,
     pub percent_of_roofline: f64,
 }
@@ -37,7 +72,7 @@ pub struct PrefillFigure {
     pub ms_median: f64,
     pub tokens_per_s: f64,
     /// GEMM and attention FLOPs at the BF16 rate (or the weights at HBM
-    /// speed, if longer).
+    /// speed, if longer), at the card's `ceilings`.
     pub roofline_tokens_per_s: f64,
     pub percent_of_roofline: f64,
 }
@@ -392,7 +427,8 @@ pub fn decode(
     let bytes =
         ex.model.weight_bytes() as f64 + (batch * mid_context * ex.kv.bytes_per_token()) as f64;
     let flops = gemm_flops_per_token(ex) * batch as f64;
-    let roof_s = (bytes / HBM_BYTES_PER_S).max(flops / BF16_FLOPS);
+    let roof = ceilings(&ex.model.gpu.name);
+    let roof_s = (bytes / roof.hbm_bytes_per_s).max(flops / roof.bf16_flops);
     let tokens_per_s = batch as f64 / step_s;
     let roofline = batch as f64 / roof_s;
     Ok(DecodeFigure {
@@ -443,7 +479,9 @@ pub fn prefill(
     // Causal attention: QK^T and PV, 2 FLOPs per multiply-add, half the square.
     let attention = 4.0 * (prompt as f64).powi(2) / 2.0 * (c.q_dim() * c.n_layers) as f64;
     let flops = gemm_flops_per_token(ex) * prompt as f64 + attention;
-    let roof_s = (flops / BF16_FLOPS).max(ex.model.weight_bytes() as f64 / HBM_BYTES_PER_S);
+    let roof = ceilings(&ex.model.gpu.name);
+    let roof_s =
+        (flops / roof.bf16_flops).max(ex.model.weight_bytes() as f64 / roof.hbm_bytes_per_s);
     let tokens_per_s = prompt as f64 / s;
     let roofline = prompt as f64 / roof_s;
     Ok(PrefillFigure {
@@ -453,4 +491,22 @@ pub fn prefill(
         roofline_tokens_per_s: roofline,
         percent_of_roofline: 100.0 * tokens_per_s / roofline,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each card's roofline at its own measured copy bandwidth; a card
+    /// nobody measured says that it borrows the H200's.
+    #[test]
+    fn ceilings_follow_the_card() {
+        assert_eq!(ceilings("NVIDIA H200"), H200);
+        let h100 = ceilings("NVIDIA H100 80GB HBM3");
+        assert_eq!(h100.hbm_bytes_per_s, 3.00e12);
+        assert_eq!(h100.bf16_flops, H200.bf16_flops);
+        let other = ceilings("NVIDIA A100-SXM4-80GB");
+        assert_eq!(other.hbm_bytes_per_s, H200.hbm_bytes_per_s);
+        assert!(other.source.contains("not measured"), "{}", other.source);
+    }
 }

@@ -726,7 +726,8 @@ pub struct Fp4Figure {
     pub gb_s: f64,
     /// The same with a launch from the host per matrix.
     pub direct_gb_s: f64,
-    /// The same matrix in BF16 at the measured 4.25 TB/s, for scale.
+    /// The same matrix in BF16 at the card's measured copy bandwidth
+    /// (`bench::ceilings`), for scale.
     pub bf16_roofline_us: f64,
 }
 
@@ -739,6 +740,7 @@ pub fn fp4_sweep(
     bytes_per_matrix: usize,
 ) -> Result<Vec<Fp4Figure>, GpuError> {
     gpu.bind()?;
+    let hbm = super::bench::ceilings(&gpu.name).hbm_bytes_per_s;
     let shapes = layer_shapes(config);
     let widest = shapes.iter().map(|s| s.2).max().unwrap_or(0);
     let tallest = shapes.iter().map(|s| s.1).max().unwrap_or(0);
@@ -799,7 +801,7 @@ pub fn fp4_sweep(
                     us: t * 1e6,
                     gb_s: all[0].bytes() as f64 / t / 1e9,
                     direct_gb_s: all[0].bytes() as f64 / direct / 1e9,
-                    bf16_roofline_us: (rows * cols * 2) as f64 / 4.25e12 * 1e6,
+                    bf16_roofline_us: (rows * cols * 2) as f64 / hbm * 1e6,
                 });
             }
         }
