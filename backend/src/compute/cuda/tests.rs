@@ -894,7 +894,8 @@ fn fp4_gemv_matches_the_cpu_reference() {
     // 5 tiles: one of each remainder by 3 on any GPU). Rows of 8,320 columns
     // (65 chunks: 9 for warp 0, 8 for the others) take the 16-token pairs
     // in rotated orders in the fastest order (fp4.rs, gemv_rotates), 21
-    // tiles of them a last pair without a second.
+    // tiles of them a last pair without a second; 8,288 columns the same
+    // with a partial last chunk, which the rotation reads mid-order.
     let tall = 16 * 4 * gpu.sm_count as usize + 40;
     let whole_tall = tall - 40;
     for (rows, cols) in [
@@ -910,6 +911,7 @@ fn fp4_gemv_matches_the_cpu_reference() {
         (whole_tall, 256),
         (whole_tall, 1152),
         (328, 8320),
+        (328, 8288),
     ] {
         let w: Vec<f32> = values(rows * cols, 41)
             .iter()
