@@ -58,7 +58,10 @@ fn gemv_tiles(tokens: usize, row_tiles: usize, sm_count: u32) -> u32 {
 /// rotated on an H200, 9-10% on an H100); with fewer chunks too few orders
 /// exist, and the narrower matrices read slower (BENCHMARKS.md).
 fn gemv_rotates(order: SumOrder, tokens: usize, tiles: u32, cols: usize) -> bool {
-    order == SumOrder::Fastest && tokens == 16 && tiles == 2 && cols >= 8 * FP4_WARPS as usize * 128
+    order == SumOrder::Fastest
+        && tokens == 16
+        && tiles == 2
+        && cols >= 8 * FP4_WARPS as usize * CHUNK_COLS
 }
 
 /// Warps per block of the kernels (`fp4.cu`'s GEMV_WARPS).
@@ -471,17 +474,9 @@ impl Fp4Weights {
                 self.rows
             )));
         }
-        let order = SumOrder::AsGemv; // (one order: the fused kernels have no rotated forms)
-        self.launch_gemv(
-            gpu,
-            &format!("{kernel}_n1"),
-            x,
-            y,
-            1,
-            accumulate,
-            order,
-            epilogue,
-        )
+        // One order: the fused kernels have no rotated forms.
+        let name = format!("{kernel}_n1");
+        self.launch_gemv(gpu, &name, x, y, 1, accumulate, SumOrder::AsGemv, epilogue)
     }
 
     /// Launches `fp4_gemv_{mx|nv}_{kernel}` with the GEMV's parameters, then
