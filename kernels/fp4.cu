@@ -615,7 +615,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
             write_stage = gemv_next_stage(write_stage);
             src_c += GEMV_WARPS * 1024;
             src_s += GEMV_WARPS * ITEM_SCALES;
-            if (ROTATE && per_tile - tile_left + 1 == per_tile - rotation) {  // past the tile's last: its first
+            if (ROTATE && tile_left == rotation + 1) {  // past the tile's last: its first
                 src_c -= per_tile * GEMV_WARPS * 1024;
                 src_s -= per_tile * GEMV_WARPS * ITEM_SCALES;
             }
