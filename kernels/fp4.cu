@@ -415,6 +415,20 @@ __device__ __forceinline__ void fp4_fused_store(const Fp4Epilogue& epi, float (*
     }
 }
 
+// A plain tile's sum i of lane `src` (row g or g + 8 of src's g, ra or rb;
+// token nt * 8 + 2t + (i & 1) of src's t) from the warps' parts, added in
+// the fixed warp order that keeps them deterministic, scaled and stored.
+template <int NT>
+__device__ __forceinline__ void fp4_add_and_store(const float (&part)[GEMV_WARPS][NT][32][4], int nt, int src, int i,
+                                                  int ra, int rb, const Fp4TileIn& in, float* __restrict__ y, int n,
+                                                  int rows, float out_pow2, int accumulate) {
+    float s = 0.0f;
+#pragma unroll
+    for (int w = 0; w < GEMV_WARPS; w++) s += part[w][nt][src][i];
+    fp4_store(y, i < 2 ? in.scale_a : in.scale_b, s, i < 2 ? ra : rb, nt * 8 + 2 * (src & 3) + (i & 1), n, rows,
+              out_pow2, accumulate);
+}
+
 // TILES = 2 or 3 (the 16-token kernels; fp4.rs, gemv_tiles): a warp's item
 // is the same chunk of TILES adjacent row tiles, multiplied with the same x,
 // so x is loaded once for all. Each tile's sums are taken as with TILES = 1
@@ -443,6 +457,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     static_assert(!ROTATE || (MODE == FP4_PLAIN && NT == 2 && TILES == 2), "rotated orders: the 16-token pairs");
     constexpr u32 STAGE_BYTES = TILES * GEMV_STAGE_BYTES;  // a warp's stage: the tiles' chunks one after another
     constexpr bool NORM = MODE == FP4_NORM_ROPE || MODE == FP4_NORM_SWIGLU;
+    constexpr bool SPREAD_END = MODE == FP4_PLAIN && TILES == 1;  // every warp adds up a tile's end (finish_tile)
     constexpr int SCALE_ROW = fp4_scale_row<NV>();
     constexpr u32 ITEM_SCALES = 16 * SCALE_ROW;  // a chunk's scale bytes
     extern __shared__ __align__(16) unsigned char smem[];
@@ -513,19 +528,13 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
         rope_pos = ld_early(epi.rope.positions);
     }
 
-    // A plain tile's sums from the warps' parts, added in the fixed warp
-    // order that keeps them deterministic, scaled and stored.
+    // All of this lane's sums of a plain tile (a group's tile ends, below).
     auto add_and_store = [&](const float (&part)[GEMV_WARPS][NT][32][4], int ra, int rb, const Fp4TileIn& in) {
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                float s = 0.0f;
-#pragma unroll
-                for (int w = 0; w < GEMV_WARPS; w++) s += part[w][nt][lane][i];
-                fp4_store(y, i < 2 ? in.scale_a : in.scale_b, s, i < 2 ? ra : rb, nt * 8 + 2 * t + (i & 1), n, rows,
-                          out_pow2, accumulate);
-            }
+            for (int i = 0; i < 4; i++)
+                fp4_add_and_store<NT>(part, nt, lane, i, ra, rb, in, y, n, rows, out_pow2, accumulate);
     };
 
     // A tile's end (TILES = 1; a group of tiles ends in `run` below): the
@@ -547,13 +556,21 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
             if (lane == 0) sumsq[warp] = ss;
         }
         __syncthreads();
-        if (warp != 0) return;
-        if constexpr (MODE != FP4_PLAIN) {
-            if (t == 0)
-                fp4_fused_store<MODE>(epi, partial[half], sumsq, lane, ra, rb, in, rope_slot, rope_pos, y, cols,
-                                      out_pow2);
-        } else {
-            add_and_store(partial[half], ra, rb, in);
+        if constexpr (MODE == FP4_PLAIN) {
+            // Spread over the warps (SPREAD_END): warp w's lanes 0-15 add up
+            // the 16 sums of the lanes whose g is w (rows ra, rb), the same
+            // bits as one warp adding all 128. (Warp 0 adding them all kept
+            // the other warps waiting at the next tile's barrier: batch 8
+            // 0.9% / 1.5% faster spread, MXFP4 / NVFP4 on an H100,
+            // BENCHMARKS.md.)
+            const int src = 4 * warp + (lane >> 2);
+            if (lane < 16)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+                    fp4_add_and_store<NT>(partial[half], nt, src, lane & 3, ra, rb, in, y, n, rows, out_pow2,
+                                          accumulate);
+        } else if (warp == 0 && t == 0) {
+            fp4_fused_store<MODE>(epi, partial[half], sumsq, lane, ra, rb, in, rope_slot, rope_pos, y, cols, out_pow2);
         }
     };
 
@@ -636,13 +653,14 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
         for (int tl = 0; tl < my_groups; tl++) {
             const int tile = ((int)blockIdx.y + tl * (int)gridDim.y) * TILES;
             // The rows this warp ends and their inputs (Fp4TileIn), loaded
-            // now so that the trip passes under the chunks: warp 0 the
-            // tile's (TILES = 1), warp k < TILES tile k of the group (2
+            // now so that the trip passes under the chunks: every warp its
+            // rows w and w + 8 of the tile (SPREAD_END), warp 0 the tile's
+            // (the fused kernels), warp k < TILES tile k of the group (2
             // registers a warp where warp 0 used to hold the group's 6, which
             // made the NVFP4 threes spill).
             const int ends = TILES == 1 ? 0 : warp;
-            const int ra = fp4_tile_row<MODE>(tile + ends, g), rb = ra + fp4_b_rows<MODE>();
-            const Fp4TileIn in = (TILES == 1 ? warp == 0 : warp < TILES)
+            const int ra = fp4_tile_row<MODE>(tile + ends, SPREAD_END ? warp : g), rb = ra + fp4_b_rows<MODE>();
+            const Fp4TileIn in = (SPREAD_END || (TILES == 1 ? warp == 0 : warp < TILES))
                                      ? fp4_tile_in<MODE>(epi, row_scale, y, ra, rb, rows)
                                      : Fp4TileIn{};
             float acc[TILES][NT][4] = {};
