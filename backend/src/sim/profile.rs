@@ -3,6 +3,7 @@
 //! (`h200-llama-8b`, and `cpu-smollm2` fitted to the real CPU worker by
 //! `sluice sim calibrate`).
 
+use crate::compute::cuda::bench::H200;
 use crate::model::SeqChunk;
 
 /// The constants of one (model, machine) pair. A step takes
@@ -104,25 +105,28 @@ impl Profile {
         const PARAMS: f64 = 8.03e9;
         const KV_BYTES_PER_TOKEN: f64 = 131_072.0;
         const ATTN_FLOP_PER_PAIR: f64 = 4.0 * 32.0 * 32.0 * 128.0; // QK^T and PV
-        // H200, measured on the device machine (../shared/GPU.md): 4.25 TB/s
-        // device copy, 770-800 TFLOP/s dense BF16 GEMM. We assume a good engine
-        // reaches 85% of each in its steps (issue 7's batch-1 decode target),
-        // and 50% of the GEMM peak in attention.
-        const HBM: f64 = 4.25e12 * 0.85;
-        const GEMM: f64 = 790e12 * 0.85;
-        const ATTN: f64 = 790e12 * 0.5;
+        // H200, measured on the device machine (the bench's ceilings, from
+        // ../shared/GPU.md): device copy and dense BF16 GEMM. We assume a good
+        // engine reaches 85% of each in its steps (issue 7's batch-1 decode
+        // target), and 50% of the GEMM peak in attention.
+        const HBM: f64 = H200.hbm_bytes_per_s * 0.85;
+        const GEMM: f64 = H200.bf16_flops * 0.85;
+        const ATTN: f64 = H200.bf16_flops * 0.5;
         // 141 GB of HBM at 90% use, less 16.1 GB of weights and ~4 GB of
         // activations and graphs: ~107 GB of KV = ~816k tokens = 51k blocks.
         let kv_tokens = (141e9 * 0.9 - PARAMS * 2.0 - 4e9) / KV_BYTES_PER_TOKEN;
         Profile {
             name: "h200-llama-8b".into(),
-            source: "Llama-3.1-8B BF16 on one H200: weights 16.1 GB read at 85% of the \
-                     measured 4.25 TB/s; 2*params FLOPs per token at 85% of the measured \
-                     790 TFLOP/s; attention at 50%; 131,072 KV bytes per token; KV pool \
-                     from 90% of 141 GB less weights and 4 GB; 0.4 ms step overhead and \
-                     vLLM-like limits (8192 tokens per step, 256 running) assumed; \
-                     disaggregated KV moves over one 400 Gb/s NIC (50 GB/s) between nodes"
-                .into(),
+            source: format!(
+                "Llama-3.1-8B BF16 on one H200: weights 16.1 GB read at 85% of the \
+                 measured {} TB/s; 2*params FLOPs per token at 85% of the measured \
+                 {} TFLOP/s; attention at 50%; 131,072 KV bytes per token; KV pool \
+                 from 90% of 141 GB less weights and 4 GB; 0.4 ms step overhead and \
+                 vLLM-like limits (8192 tokens per step, 256 running) assumed; \
+                 disaggregated KV moves over one 400 Gb/s NIC (50 GB/s) between nodes",
+                H200.hbm_bytes_per_s / 1e12,
+                H200.bf16_flops / 1e12
+            ),
             overhead_s: 0.4e-3,
             weight_s: PARAMS * 2.0 / HBM,
             token_s: 2.0 * PARAMS / GEMM,
