@@ -360,6 +360,11 @@ template <bool B>
 struct fp4_bool {
     static constexpr bool value = B;
 };
+// The same for a small int (the GEMV's copy parts).
+template <int I>
+struct fp4_int {
+    static constexpr int value = I;
+};
 
 // The stage after stage s of a GEMV pipeline (of two: a flip, 4-5 SASS
 // instructions a loop fewer than a compare and select).
@@ -516,17 +521,10 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
         X_SMEM ? opaque(x_warp + 16 * gemv_x_slot(4 * t) + (X_ROWS > 1 ? min(g, n - 1) * X_ROW : 0)) : 0;
     const u32 scales_b = scales_a + SCALE_ROW * fp4_b_rows<MODE>();
 
-    // The residual's sums of squares: this thread's first one loaded now,
-    // used at the end of the block's first tile, so that no one waits for it.
     const int sumsq_count = NORM ? cols / 16 : 0;
-    const float sumsq_first = (int)threadIdx.x < sumsq_count ? epi.sumsq_tiles[threadIdx.x] : 0.0f;
-    // NORM_ROPE's one token's cache slot and position, for warp 0's tile ends.
+    float sumsq_first = 0.0f;
     u64 rope_slot = 0;
     int rope_pos = 0;
-    if (MODE == FP4_NORM_ROPE && warp == 0) {
-        rope_slot = (u64)ld_early(epi.rope.slots);
-        rope_pos = ld_early(epi.rope.positions);
-    }
 
     // All of this lane's sums of a plain tile (a group's tile ends, below).
     auto add_and_store = [&](const float (&part)[GEMV_WARPS][NT][32][4], int ra, int rb, const Fp4TileIn& in) {
@@ -595,8 +593,12 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     int x_col_copy = 0;
     // Copies the next item into its stage (and commits a group, an empty one
     // past the last item, so that the wait below always counts the same).
-    auto issue = [&]() {
-        if (issued < items) {
+    // PART 0 the whole item; 1 its weights only (before the fused kernels'
+    // wait for the kernel ahead: no kernel writes the weights); 2 the rest
+    // (x, which the kernel ahead wrote, and the commit).
+    auto issue = [&](auto part) {
+        constexpr int PART = decltype(part)::value;
+        if (issued < items && PART != 2) {
             if (tile_left == 0) {
                 const u32 item = (u32)(next_group * TILES) * (u32)chunks + warp + GEMV_WARPS * rotation;
                 src_c = codes + item * 1024u + 16 * lane;
@@ -619,6 +621,8 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
                 cp_async16_shared(at + k * GEMV_STAGE_BYTES + 512, ck + 512, 16);
                 cp_async_if<16>(copies_scales, at + k * GEMV_STAGE_BYTES + 1024, src_s + next * ITEM_SCALES);
             }
+        }
+        if (issued < items && PART != 1) {
             if (X_SMEM) {  // x's columns past cols (a partial last chunk) as zeros
                 const bool in = x_col_copy < cols;  // (and a source inside x either way)
                 const u32 x_at = x_copy_at + write_stage * X_STAGE;
@@ -639,10 +643,33 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
             issued++;
             tile_left--;
         }
-        asm volatile("cp.async.commit_group;");
+        if (PART != 1) asm volatile("cp.async.commit_group;");
     };
+    using Whole = fp4_int<0>;
+    if constexpr (MODE != FP4_PLAIN) {
+        // The fused kernels wait here, not first (common.cuh): nothing above
+        // reads memory another kernel writes (the scale table is built from
+        // the call's arguments), and their first item's codes and scales,
+        // which no kernel writes, are copied before the wait, under the tail
+        // of the kernel ahead (launched early, Gpu::launch_early); x, which
+        // that kernel wrote, after it. (Batch 1 4-5% faster on an H100,
+        // BENCHMARKS.md.)
+        static_assert(GEMV_STAGES == 2, "one item ahead");
+        issue(fp4_int<1>{});
+        wait_for_previous_kernels();
+        issue(fp4_int<2>{});
+    } else {
 #pragma unroll
-    for (int s = 0; s < GEMV_STAGES - 1; s++) issue();
+        for (int s = 0; s < GEMV_STAGES - 1; s++) issue(Whole{});
+    }
+    // The residual's sums of squares: this thread's first one loaded now,
+    // used at the end of the block's first tile, so that no one waits for it.
+    if (NORM && (int)threadIdx.x < sumsq_count) sumsq_first = epi.sumsq_tiles[threadIdx.x];
+    // NORM_ROPE's one token's cache slot and position, for warp 0's tile ends.
+    if (MODE == FP4_NORM_ROPE && warp == 0) {
+        rope_slot = (u64)ld_early(epi.rope.slots);
+        rope_pos = ld_early(epi.rope.positions);
+    }
     const int x_col = (warp << 7) + 32 * t;
     const bf16* x_tok[NT] = {};
     if constexpr (!X_SMEM) fp4_x_lanes<NT>(x_tok, x, g, n, cols, x_col);
@@ -677,7 +704,7 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
 #pragma unroll
                         for (int i = 0; i < 4; i++) xv[nt][i] = make_uint4(0, 0, 0, 0);
                 }
-                issue();
+                issue(Whole{});
                 const u32 stage = read_stage * STAGE_BYTES;
                 asm volatile("cp.async.wait_group %0;" ::"n"(GEMV_STAGES - 1));
                 __syncwarp();  // the item is in, the scales copied by other lanes too
@@ -810,27 +837,27 @@ extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_nv_n16_t3(FP4_ARGS) {
 #define FP4_EPILOGUE \
     Fp4Epilogue { sumsq_tiles, eps, out, g_next, {positions, slots, q_out, k_cache, v_cache, n_heads, n_kv_heads, head_dim, theta}, }
 extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_mx_norm_rope_n1(FP4_FUSED_ARGS) {
-    wait_for_previous_kernels();
+    // waits in fp4_gemv, after copying its first weights
     fp4_gemv<false, 1, FP4_NORM_ROPE>(FP4_PASS, FP4_EPILOGUE);
 }
 extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_nv_norm_rope_n1(FP4_FUSED_ARGS) {
-    wait_for_previous_kernels();
+    // waits in fp4_gemv, after copying its first weights
     fp4_gemv<true, 1, FP4_NORM_ROPE>(FP4_PASS, FP4_EPILOGUE);
 }
 extern "C" __global__ void FP4_GEMV_SWIGLU fp4_gemv_mx_norm_swiglu_n1(FP4_FUSED_ARGS) {
-    wait_for_previous_kernels();
+    // waits in fp4_gemv, after copying its first weights
     fp4_gemv<false, 1, FP4_NORM_SWIGLU>(FP4_PASS, FP4_EPILOGUE);
 }
 extern "C" __global__ void FP4_GEMV_SWIGLU fp4_gemv_nv_norm_swiglu_n1(FP4_FUSED_ARGS) {
-    wait_for_previous_kernels();
+    // waits in fp4_gemv, after copying its first weights
     fp4_gemv<true, 1, FP4_NORM_SWIGLU>(FP4_PASS, FP4_EPILOGUE);
 }
 extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_mx_residual_n1(FP4_FUSED_ARGS) {
-    wait_for_previous_kernels();
+    // waits in fp4_gemv, after copying its first weights
     fp4_gemv<false, 1, FP4_RESIDUAL>(FP4_PASS, FP4_EPILOGUE);
 }
 extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_nv_residual_n1(FP4_FUSED_ARGS) {
-    wait_for_previous_kernels();
+    // waits in fp4_gemv, after copying its first weights
     fp4_gemv<true, 1, FP4_RESIDUAL>(FP4_PASS, FP4_EPILOGUE);
 }
 

@@ -88,8 +88,19 @@ pub struct Gpu {
     /// 9.0 on, off with `SLUICE_CLUSTERS=0` (to measure what they give).
     clusters: bool,
     /// True while `capture` records: launches inside decode graphs are plain
-    /// (programmatic edges there measured 2% slower at batch 1).
+    /// (programmatic edges there measured 2% slower at batch 1), those of
+    /// `launch_early` aside.
     capturing: AtomicBool,
+    /// Whether `launch_early` makes programmatic edges inside graphs too (off
+    /// with `SLUICE_GRAPH_PDL=0`, to measure what they give).
+    early_in_graphs: bool,
+    /// An SM's shared memory, and the most one block may opt in to
+    /// (`shared_for_at_most`).
+    shared_per_sm: u32,
+    shared_per_block: u32,
+    /// `shared_for_at_most`'s answers by kernel, threads, shared bytes and
+    /// blocks an SM (occupancy queries are driver calls).
+    spread_shared: std::sync::Mutex<HashMap<(String, u32, u32, u32), u32>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -119,6 +130,12 @@ impl Gpu {
         let arch = arch_for(major, minor);
         let sm_count = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )? as u32;
+        let shared_per_sm = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+        )? as u32;
+        let shared_per_block = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
         )? as u32;
         let mut functions = HashMap::new();
         for file in KERNEL_FILES.iter().filter(|f| f.builds_for(&arch)) {
@@ -158,6 +175,10 @@ impl Gpu {
             blas,
             functions,
             capturing: AtomicBool::new(false),
+            early_in_graphs: std::env::var("SLUICE_GRAPH_PDL").map_or(true, |v| v != "0"),
+            shared_per_sm,
+            shared_per_block,
+            spread_shared: Default::default(),
             clusters: major >= 9 && std::env::var("SLUICE_CLUSTERS").map_or(true, |v| v != "0"),
             dependent_launch: AtomicBool::new(
                 major >= 9 && std::env::var("SLUICE_PDL").map_or(true, |v| v != "0"),
@@ -179,6 +200,49 @@ impl Gpu {
         let f = self.function(name);
         opt_in_shared(f, shared)?;
         Ok(f.occupancy_max_active_blocks_per_multiprocessor(threads, shared as usize, None)?)
+    }
+
+    /// The dynamic shared memory, `shared` or more, with which an SM runs at
+    /// most `most` blocks of kernel `name` (`threads` a block) at once; the
+    /// extra is never used. For a grid of `most` blocks an SM or fewer that
+    /// is a programmatic launch: its blocks start as those of the kernel ahead
+    /// end, and the block scheduler fills the SM that frees first up to its
+    /// limit, so without a cap the SMs that finish early take more than their
+    /// share while others take none (`bench/gpu/pdl_placement.cu`; the fused
+    /// FP4 GEMVs 2% slower at batch 1, BENCHMARKS.md). `shared` where it is
+    /// already so, or where no size a block may have is enough.
+    pub fn shared_for_at_most(
+        &self,
+        name: &str,
+        threads: u32,
+        shared: u32,
+        most: u32,
+    ) -> Result<u32, GpuError> {
+        let key = (name.to_string(), threads, shared, most);
+        if let Some(&found) = self.spread_shared.lock().expect("not poisoned").get(&key) {
+            return Ok(found);
+        }
+        // From a little under an SM's share for most + 1 blocks (the block's
+        // static shared memory and the driver's reserve come on top), up.
+        let mut s = shared.max((self.shared_per_sm / (most + 1)).saturating_sub(4096) / 256 * 256);
+        let found = if self.blocks_per_sm(name, threads, shared)? <= most {
+            shared
+        } else {
+            loop {
+                if s > self.shared_per_block {
+                    break shared;
+                }
+                if self.blocks_per_sm(name, threads, s)? <= most {
+                    break s;
+                }
+                s += 256;
+            }
+        };
+        self.spread_shared
+            .lock()
+            .expect("not poisoned")
+            .insert(key, found);
+        Ok(found)
     }
 
     /// Makes this GPU's context current on the calling thread.
@@ -304,7 +368,27 @@ impl Gpu {
         config: LaunchConfig,
         args: &[&dyn KernelArg],
     ) -> Result<(), GpuError> {
-        self.launch_with(name, config, None, args)
+        self.launch_with(name, config, None, false, args)
+    }
+
+    /// `launch`, programmatic inside graphs too (unless `SLUICE_GRAPH_PDL=0`):
+    /// for a kernel whose blocks do useful work before their wait, as the
+    /// fused one-token FP4 GEMVs copy their first weights (`fp4_gemv`), with
+    /// its blocks held to their share of each SM (`shared_for_at_most`).
+    /// (Every kernel so: 2% slower at batch 1, BENCHMARKS.md.)
+    pub fn launch_early(
+        &self,
+        name: &str,
+        config: LaunchConfig,
+        args: &[&dyn KernelArg],
+    ) -> Result<(), GpuError> {
+        self.launch_with(name, config, None, true, args)
+    }
+
+    /// Whether `launch_early` makes a programmatic launch (where capturing
+    /// or not), so that its caller spreads the grid.
+    pub fn launches_early(&self) -> bool {
+        self.dependent_launch() && (self.early_in_graphs || !self.capturing.load(Ordering::Relaxed))
     }
 
     /// Whether the GPU runs thread block clusters of up to 16 blocks
@@ -324,7 +408,7 @@ impl Gpu {
         cluster: (u32, u32, u32),
         args: &[&dyn KernelArg],
     ) -> Result<(), GpuError> {
-        self.launch_with(name, config, Some(cluster), args)
+        self.launch_with(name, config, Some(cluster), false, args)
     }
 
     fn launch_with(
@@ -332,6 +416,7 @@ impl Gpu {
         name: &str,
         config: LaunchConfig,
         cluster: Option<(u32, u32, u32)>,
+        early: bool,
         args: &[&dyn KernelArg],
     ) -> Result<(), GpuError> {
         use cudarc::driver::sys;
@@ -357,7 +442,12 @@ impl Gpu {
             a.value.clusterDim.z = z;
             count += 1;
         }
-        if self.dependent_launch() && !self.capturing.load(Ordering::Relaxed) {
+        let programmatic = if early {
+            self.launches_early()
+        } else {
+            self.dependent_launch() && !self.capturing.load(Ordering::Relaxed)
+        };
+        if programmatic {
             let a = &mut attributes[count];
             a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
             a.value.programmaticStreamSerializationAllowed = 1;
@@ -702,15 +792,36 @@ mod tests {
     }
 
     /// Kernels are launched as programmatic dependent launches, so each must
-    /// wait for the kernels ahead of it before anything else (common.cuh).
+    /// wait for the kernels ahead of it before anything else (common.cuh),
+    /// but for the fused one-token FP4 GEMVs, which copy only weights first
+    /// and wait inside `fp4_gemv`.
     #[test]
     fn every_kernel_waits_for_the_kernels_ahead_first() {
         let mut kernels = 0;
+        let mut waiting_inside = 0;
         for file in KERNEL_FILES {
             let names = kernel_names(file.source);
             let bodies = kernel_bodies(file.source);
             assert_eq!(names.len(), bodies.len(), "{}", file.name);
             for (name, body) in names.iter().zip(bodies) {
+                kernels += 1;
+                if file.name == "fp4.cu" && name.ends_with("_n1") {
+                    // The fused kernels: one statement, fp4_gemv of a fused
+                    // mode, whose prologue waits after the weights' copies.
+                    let call = body
+                        .lines()
+                        .map(str::trim)
+                        .filter(|l| !l.is_empty() && !l.starts_with("//"))
+                        .collect::<Vec<_>>();
+                    assert!(
+                        call.len() == 1
+                            && call[0].starts_with("fp4_gemv<")
+                            && !call[0].contains("FP4_PLAIN"),
+                        "{name}: {body}"
+                    );
+                    waiting_inside += 1;
+                    continue;
+                }
                 assert!(
                     body.trim_start()
                         .starts_with("wait_for_previous_kernels();"),
@@ -718,10 +829,23 @@ mod tests {
                     file.name,
                     body.trim_start().lines().next().unwrap_or_default()
                 );
-                kernels += 1;
             }
         }
         assert!(kernels > 30, "{kernels} kernels");
+        assert_eq!(waiting_inside, 6, "the fused FP4 kernels, MX and NV");
+        // fp4_gemv's fused prologue: the first item's weights, the wait, x.
+        let fp4 = KERNEL_FILES
+            .iter()
+            .find(|f| f.name == "fp4.cu")
+            .unwrap()
+            .source;
+        let prologue = [
+            "issue(fp4_int<1>{});",
+            "wait_for_previous_kernels();",
+            "issue(fp4_int<2>{});",
+        ];
+        let at: Vec<usize> = prologue.iter().map(|p| fp4.find(p).expect(p)).collect();
+        assert!(at.windows(2).all(|w| w[0] < w[1]), "{prologue:?} in order");
         // The bodies are found whole: a body that writes before it waits is
         // told apart from one that waits first.
         let late = "extern \"C\" __global__ void __launch_bounds__(128) k(int* p) {\n    p[0] = 1;\n    wait_for_previous_kernels();\n}";

@@ -380,6 +380,9 @@ impl Fp4Weights {
         };
         let codes = gpu.alloc::<u8>(code_bytes)?;
         let words = (code_bytes / 4) as u64;
+        // The only kernel that writes weights: the uploads below must follow
+        // it on the stream, so that no fused GEMV, which copies weights before
+        // it waits for the kernel ahead (common.cuh), comes right after it.
         // SAFETY: `codes` holds code_bytes bytes, `words` u32s.
         gpu.launch(
             "fill_random_u32",
@@ -452,7 +455,7 @@ impl Fp4Weights {
             return Ok(());
         }
         let kernel = format!("n{}", gemv_tokens_per_block(n));
-        self.launch_gemv(gpu, &kernel, x, y, n, accumulate, order, &[])
+        self.launch_gemv(gpu, &kernel, x, y, n, accumulate, order, false, &[])
     }
 
     /// One token's GEMV with a fused epilogue (`fp4.cu`'s FP4_NORM_ROPE and
@@ -476,13 +479,25 @@ impl Fp4Weights {
         }
         // One order: the fused kernels have no rotated forms.
         let name = format!("{kernel}_n1");
-        self.launch_gemv(gpu, &name, x, y, 1, accumulate, SumOrder::AsGemv, epilogue)
+        self.launch_gemv(
+            gpu,
+            &name,
+            x,
+            y,
+            1,
+            accumulate,
+            SumOrder::AsGemv,
+            true,
+            epilogue,
+        )
     }
 
     /// Launches `fp4_gemv_{mx|nv}_{kernel}` with the GEMV's parameters, then
     /// `extra`: as many blocks as the GPU holds at once, walking the row tiles
     /// in groups of `gemv_tiles` (the kernel's TILES), in rotated orders
-    /// where `gemv_rotates`.
+    /// where `gemv_rotates`. `early`: a kernel that copies its first weights
+    /// before it waits for the kernel ahead (the fused ones), launched so
+    /// (`Gpu::launch_early`) with its blocks spread evenly over the SMs.
     #[allow(clippy::too_many_arguments)]
     fn launch_gemv(
         &self,
@@ -493,6 +508,7 @@ impl Fp4Weights {
         n: usize,
         accumulate: bool,
         order: SumOrder,
+        early: bool,
         extra: &[&dyn KernelArg],
     ) -> Result<(), GpuError> {
         self.in_hopper_order()?;
@@ -516,10 +532,14 @@ impl Fp4Weights {
                 self.rows, self.cols
             )));
         }
-        let smem = gemv_smem(tiles);
+        let mut smem = gemv_smem(tiles);
         let resident = gpu.sm_count * gpu.blocks_per_sm(&name, FP4_WARPS * 32, smem)?;
         let groups = self.rows.div_ceil(16).div_ceil(tiles as usize) as u32;
         let row_blocks = groups.clamp(1, resident.max(1));
+        if early && gpu.launches_early() {
+            let share = (row_blocks * token_blocks).div_ceil(gpu.sm_count);
+            smem = gpu.shared_for_at_most(&name, FP4_WARPS * 32, smem, share)?;
+        }
         let (codes, scales, row_scale) = (
             gpu.ptr(&self.codes, 0),
             gpu.ptr(&self.scales, 0),
@@ -546,11 +566,12 @@ impl Fp4Weights {
         // scale per row, x's columns < cols of rows j < n, and writes y's
         // rows j < n, columns < rows; `extra` is what the
         // fused kernels' callers vouch for (layers.rs).
-        gpu.launch(
-            &name,
-            grid((token_blocks, row_blocks, 1), FP4_WARPS * 32, smem),
-            &args,
-        )
+        let config = grid((token_blocks, row_blocks, 1), FP4_WARPS * 32, smem);
+        if early {
+            gpu.launch_early(&name, config, &args)
+        } else {
+            gpu.launch(&name, config, &args)
+        }
     }
 
     /// f32s of partial sums [`Fp4Weights::gemm`] needs for `n` tokens.
