@@ -646,14 +646,15 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
         if (PART != 1) asm volatile("cp.async.commit_group;");
     };
     using Whole = fp4_int<0>;
-    if constexpr (MODE != FP4_PLAIN) {
-        // The fused kernels wait here, not first (common.cuh): nothing above
-        // reads memory another kernel writes (the scale table is built from
-        // the call's arguments), and their first item's codes and scales,
-        // which no kernel writes, are copied before the wait, under the tail
-        // of the kernel ahead (launched early, Gpu::launch_early); x, which
-        // that kernel wrote, after it. (Batch 1 4-5% faster on an H100,
-        // BENCHMARKS.md.)
+    if constexpr (MODE != FP4_PLAIN || NT == 2) {
+        // The fused and the 16-token kernels wait here, not first
+        // (common.cuh): nothing above reads memory another kernel writes (the
+        // scale table is built from the call's arguments), and their first
+        // item's codes and scales, which no kernel writes, are copied before
+        // the wait, under the tail of the kernel ahead (launched early,
+        // Gpu::launch_early); x, which that kernel wrote, after it. (On an
+        // H100 batch 1 4-5% faster, batches 9-16 3%; the 8-token kernel so,
+        // 1.8% slower at batch 8: it waits first. BENCHMARKS.md.)
         static_assert(GEMV_STAGES == 2, "one item ahead");
         issue(fp4_int<1>{});
         wait_for_previous_kernels();
@@ -800,19 +801,19 @@ extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_mx_n8(FP4_ARGS) {
     fp4_gemv<false, 1>(FP4_PASS);
 }
 extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_mx_n16(FP4_ARGS) {
-    wait_for_previous_kernels();
+    // waits in fp4_gemv, after copying its first weights
     fp4_gemv<false, 2, FP4_PLAIN, 2>(FP4_PASS);
 }
 extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_mx_n16_t3(FP4_ARGS) {
-    wait_for_previous_kernels();
+    // waits in fp4_gemv, after copying its first weights
     fp4_gemv<false, 2, FP4_PLAIN, 3>(FP4_PASS);
 }
 extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_mx_n16_rot(FP4_ARGS) {
-    wait_for_previous_kernels();
+    // waits in fp4_gemv, after copying its first weights
     fp4_gemv<false, 2, FP4_PLAIN, 2, true>(FP4_PASS);
 }
 extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_nv_n16_rot(FP4_ARGS) {
-    wait_for_previous_kernels();
+    // waits in fp4_gemv, after copying its first weights
     fp4_gemv<true, 2, FP4_PLAIN, 2, true>(FP4_PASS);
 }
 extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_nv_n8(FP4_ARGS) {
@@ -820,11 +821,11 @@ extern "C" __global__ void FP4_GEMV_N8 fp4_gemv_nv_n8(FP4_ARGS) {
     fp4_gemv<true, 1>(FP4_PASS);
 }
 extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_nv_n16(FP4_ARGS) {
-    wait_for_previous_kernels();
+    // waits in fp4_gemv, after copying its first weights
     fp4_gemv<true, 2, FP4_PLAIN, 2>(FP4_PASS);
 }
 extern "C" __global__ void FP4_GEMV_N16 fp4_gemv_nv_n16_t3(FP4_ARGS) {
-    wait_for_previous_kernels();
+    // waits in fp4_gemv, after copying its first weights
     fp4_gemv<true, 2, FP4_PLAIN, 3>(FP4_PASS);
 }
 

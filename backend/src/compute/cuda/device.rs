@@ -793,8 +793,8 @@ mod tests {
 
     /// Kernels are launched as programmatic dependent launches, so each must
     /// wait for the kernels ahead of it before anything else (common.cuh),
-    /// but for the fused one-token FP4 GEMVs, which copy only weights first
-    /// and wait inside `fp4_gemv`.
+    /// but for the fused one-token and the 16-token FP4 GEMVs, which copy
+    /// only weights first and wait inside `fp4_gemv`.
     #[test]
     fn every_kernel_waits_for_the_kernels_ahead_first() {
         let mut kernels = 0;
@@ -805,9 +805,10 @@ mod tests {
             assert_eq!(names.len(), bodies.len(), "{}", file.name);
             for (name, body) in names.iter().zip(bodies) {
                 kernels += 1;
-                if file.name == "fp4.cu" && name.ends_with("_n1") {
-                    // The fused kernels: one statement, fp4_gemv of a fused
-                    // mode, whose prologue waits after the weights' copies.
+                if file.name == "fp4.cu" && (name.ends_with("_n1") || name.contains("_n16")) {
+                    // One statement, fp4_gemv of a fused mode or of two
+                    // 8-token tiles, whose prologue waits after the weights'
+                    // copies.
                     let call = body
                         .lines()
                         .map(str::trim)
@@ -815,8 +816,11 @@ mod tests {
                         .collect::<Vec<_>>();
                     assert!(
                         call.len() == 1
-                            && call[0].starts_with("fp4_gemv<")
-                            && !call[0].contains("FP4_PLAIN"),
+                            && ["fp4_gemv<false, ", "fp4_gemv<true, "].iter().any(|f| {
+                                let args = call[0].strip_prefix(f).unwrap_or_default();
+                                args.starts_with("2, ")
+                                    || (args.starts_with("1, FP4_") && !args.contains("FP4_PLAIN"))
+                            }),
                         "{name}: {body}"
                     );
                     waiting_inside += 1;
@@ -832,8 +836,8 @@ mod tests {
             }
         }
         assert!(kernels > 30, "{kernels} kernels");
-        assert_eq!(waiting_inside, 6, "the fused FP4 kernels, MX and NV");
-        // fp4_gemv's fused prologue: the first item's weights, the wait, x.
+        assert_eq!(waiting_inside, 6 + 6, "the fused and 16-token FP4 kernels");
+        // fp4_gemv's prologue there: the first item's weights, the wait, x.
         let fp4 = KERNEL_FILES
             .iter()
             .find(|f| f.name == "fp4.cu")

@@ -454,8 +454,12 @@ impl Fp4Weights {
         if n == 0 {
             return Ok(());
         }
-        let kernel = format!("n{}", gemv_tokens_per_block(n));
-        self.launch_gemv(gpu, &kernel, x, y, n, accumulate, order, false, &[])
+        let tokens = gemv_tokens_per_block(n);
+        let kernel = format!("n{tokens}");
+        // The 16-token kernels copy their first weights before they wait (the
+        // 8-token one, launched so, read 1.8% slower at batch 8: it waits
+        // first; BENCHMARKS.md).
+        self.launch_gemv(gpu, &kernel, x, y, n, accumulate, order, tokens == 16, &[])
     }
 
     /// One token's GEMV with a fused epilogue (`fp4.cu`'s FP4_NORM_ROPE and
