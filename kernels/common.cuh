@@ -78,16 +78,16 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, u32 a0, u32 a1, u32 a2,
 // it); then it lets the next kernel's blocks start, which wait in turn. A
 // plain launch makes both instructions no-ops. A test (compute::cuda::device)
 // checks that every kernel calls it first, but for one exception: the fused
-// one-token FP4 GEMVs (fp4.cu) copy their first weights before they wait,
-// and are programmatic launches inside decode graphs too (Gpu::launch_early),
-// so that the copies run under the tail of the kernel ahead. That is sound
-// because no kernel writes weights except the synthetic models' random fill
-// (fill_random_u32), which is followed by uploads on the stream (a copy
-// between two kernels ends the overlap): the kernel ahead has passed its own
-// wait, so every kernel before it has ended. (Measured and not kept: every
-// kernel a programmatic launch inside decode graphs, 2% slower at batch 1;
-// GEMVs prefetching their first weights into L2 before the wait, 13% slower;
-// BENCHMARKS.md.)
+// one-token and the 16-token FP4 GEMVs (fp4.cu) copy their first weights
+// before they wait, and are programmatic launches inside decode graphs too
+// (Gpu::launch_early), so that the copies run under the tail of the kernel
+// ahead. That is sound because no kernel writes weights except the synthetic
+// models' random fill (fill_random_u32), which uploads follow on the stream
+// (a copy between two kernels ends the overlap), and the kernel ahead has
+// passed its own wait, so every kernel before it has ended. (Measured and
+// not kept: every kernel a programmatic launch inside decode graphs, 2%
+// slower at batch 1; GEMVs prefetching their first weights into L2 before
+// the wait, 13% slower; BENCHMARKS.md.)
 __device__ __forceinline__ void wait_for_previous_kernels() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

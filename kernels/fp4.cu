@@ -593,9 +593,9 @@ __device__ __forceinline__ void fp4_gemv(const unsigned char* __restrict__ codes
     int x_col_copy = 0;
     // Copies the next item into its stage (and commits a group, an empty one
     // past the last item, so that the wait below always counts the same).
-    // PART 0 the whole item; 1 its weights only (before the fused kernels'
-    // wait for the kernel ahead: no kernel writes the weights); 2 the rest
-    // (x, which the kernel ahead wrote, and the commit).
+    // PART 0 the whole item; 1 its weights only (copied before the wait for
+    // the kernel ahead, below: no kernel writes the weights); 2 the rest (x,
+    // which the kernel ahead wrote, and the commit).
     auto issue = [&](auto part) {
         constexpr int PART = decltype(part)::value;
         if (issued < items && PART != 2) {

@@ -373,9 +373,10 @@ impl Gpu {
 
     /// `launch`, programmatic inside graphs too (unless `SLUICE_GRAPH_PDL=0`):
     /// for a kernel whose blocks do useful work before their wait, as the
-    /// fused one-token FP4 GEMVs copy their first weights (`fp4_gemv`), with
-    /// its blocks held to their share of each SM (`shared_for_at_most`).
-    /// (Every kernel so: 2% slower at batch 1, BENCHMARKS.md.)
+    /// fused one-token and the 16-token FP4 GEMVs copy their first weights
+    /// (`fp4_gemv`), with its blocks held to their share of each SM
+    /// (`shared_for_at_most`). (Every kernel so: 2% slower at batch 1,
+    /// BENCHMARKS.md.)
     pub fn launch_early(
         &self,
         name: &str,

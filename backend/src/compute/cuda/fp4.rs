@@ -381,8 +381,8 @@ impl Fp4Weights {
         let codes = gpu.alloc::<u8>(code_bytes)?;
         let words = (code_bytes / 4) as u64;
         // The only kernel that writes weights: the uploads below must follow
-        // it on the stream, so that no fused GEMV, which copies weights before
-        // it waits for the kernel ahead (common.cuh), comes right after it.
+        // it on the stream, so that no GEMV that copies weights before it
+        // waits for the kernel ahead (common.cuh) comes right after it.
         // SAFETY: `codes` holds code_bytes bytes, `words` u32s.
         gpu.launch(
             "fill_random_u32",
@@ -500,8 +500,9 @@ impl Fp4Weights {
     /// `extra`: as many blocks as the GPU holds at once, walking the row tiles
     /// in groups of `gemv_tiles` (the kernel's TILES), in rotated orders
     /// where `gemv_rotates`. `early`: a kernel that copies its first weights
-    /// before it waits for the kernel ahead (the fused ones), launched so
-    /// (`Gpu::launch_early`) with its blocks spread evenly over the SMs.
+    /// before it waits for the kernel ahead (the fused and 16-token ones),
+    /// launched so (`Gpu::launch_early`) with its blocks spread evenly over
+    /// the SMs.
     #[allow(clippy::too_many_arguments)]
     fn launch_gemv(
         &self,
