@@ -1068,3 +1068,31 @@ fn activation_quantizer_matches_the_cpu_quantizer() {
         }
     }
 }
+
+/// `Gpu::shared_for_at_most` caps how many blocks of a kernel an SM holds
+/// (the early-launched FP4 GEMVs' spread, device.rs), and leaves a kernel
+/// already within the cap as it is.
+#[test]
+fn shared_for_at_most_caps_the_blocks_an_sm() {
+    let Some(gpu) = gpu() else { return };
+    // 8 warps; a one-token block's two stages of 1,152 bytes a warp, a
+    // 16-token block's pairs of tiles twice that (fp4.rs, gemv_smem).
+    for (name, shared) in [
+        ("fp4_gemv_mx_residual_n1", 8 * 2 * 1152),
+        ("fp4_gemv_nv_n16", 2 * 8 * 2 * 1152),
+    ] {
+        let full = gpu.blocks_per_sm(name, 256, shared).unwrap();
+        assert!(full >= 2, "{name}: {full} blocks an SM");
+        for most in 1..=full {
+            let s = gpu.shared_for_at_most(name, 256, shared, most).unwrap();
+            let held = gpu.blocks_per_sm(name, 256, s).unwrap();
+            assert!(
+                s >= shared && held <= most && held >= 1,
+                "{name}: at most {most} an SM: {s} bytes hold {held}"
+            );
+            if most == full {
+                assert_eq!(s, shared, "{name}: already within {most}");
+            }
+        }
+    }
+}
