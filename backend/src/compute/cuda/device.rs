@@ -222,12 +222,14 @@ impl Gpu {
         if let Some(&found) = self.spread_shared.lock().expect("not poisoned").get(&key) {
             return Ok(found);
         }
-        // From a little under an SM's share for most + 1 blocks (the block's
-        // static shared memory and the driver's reserve come on top), up.
-        let mut s = shared.max((self.shared_per_sm / (most + 1)).saturating_sub(4096) / 256 * 256);
         let found = if self.blocks_per_sm(name, threads, shared)? <= most {
             shared
         } else {
+            // From a little under an SM's share for most + 1 blocks (the
+            // block's static shared memory and the driver's reserve come on
+            // top), up.
+            let mut s =
+                shared.max((self.shared_per_sm / (most + 1)).saturating_sub(4096) / 256 * 256);
             loop {
                 if s > self.shared_per_block {
                     break shared;
