@@ -287,7 +287,15 @@ __device__ __forceinline__ void decode_merge_cluster(float (*cl_ml)[2], float (*
 // the CUDA-core kernel this replaced (a key a lane, scores against Q in
 // shared memory, P.V by shuffles) issued ~800 dependent FMAs and shuffles,
 // which bound it at batch 1 (BENCHMARKS.md).
-template <int HD, int WARPS, bool CLUSTER>
+//
+// EARLY (the cluster kernels, launched early: Gpu::launch_cluster_early):
+// the block waits for the kernel ahead only after loading its first step's
+// keys before the query token's. That is sound (common.cuh) because what it
+// reads before the wait was written before the kernel ahead began: the work
+// items, block tables and split (the step's upload, a copy ahead of its
+// first kernel) and the keys of earlier steps; the kernel ahead writes the
+// query and the step's own keys and values (RoPE), read after the wait.
+template <int HD, int WARPS, bool CLUSTER, bool EARLY = false>
 __device__ __forceinline__ void attention_decode_mma(ATTN_ARGS) {
     constexpr int G = 8;
     constexpr int DL = HD / 4;   // dims a quad position covers
@@ -306,6 +314,36 @@ __device__ __forceinline__ void attention_decode_mma(ATTN_ARGS) {
     const int k_end = min(q_pos + 1, k_begin + keys_per_split);
     const int* table = tables + (u64)seq * max_blocks;
 
+    // This lane's two keys (n0 + g, n0 + 8 + g) of a 16-key step: K and V
+    // rows, all loads at once; keys from `from` on (zeros below it) and
+    // under `to` (zeros from it).
+    uint4 kw[2][VJ], vw[2][VJ];
+    auto load_kv = [&](int n0, int from, int to) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int key = n0 + 8 * h + g;
+            if ((!EARLY || key >= from) && key < to) {
+                const u64 row = ((u64)table[key / block_size] * block_size + key % block_size) * kv_dim + kvh * HD + t * DL;
+#pragma unroll
+                for (int c = 0; c < VJ; c++) {
+                    kw[h][c] = ((const uint4*)(k_cache + row))[c];
+                    vw[h][c] = ((const uint4*)(v_cache + row))[c];
+                }
+            } else if (!EARLY || key >= to) {
+#pragma unroll
+                for (int c = 0; c < VJ; c++) kw[h][c] = vw[h][c] = make_uint4(0, 0, 0, 0);
+            }
+        }
+    };
+    int n0 = k_begin + 16 * warp;
+    if (EARLY) {
+        // The first step's keys before the query's (written by earlier
+        // steps), under the tail of the kernel ahead; its query and the
+        // query token's own key and value (which that kernel writes) after.
+        load_kv(n0, 0, min(k_end, q_pos));
+        wait_for_previous_kernels();
+        load_kv(n0, q_pos, k_end);
+    }
     // Query head g's dims t * DL .., 2 words a k-step (b0, b1 of Q^T).
     u32 qb[2 * KS];
     {
@@ -328,24 +366,8 @@ __device__ __forceinline__ void attention_decode_mma(ATTN_ARGS) {
         for (int p = 0; p < 2; p++) o[j][p][0] = o[j][p][1] = o[j][p][2] = o[j][p][3] = 0.0f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
 
-    for (int n0 = k_begin + 16 * warp; n0 < k_end; n0 += 16 * WARPS) {
-        // This lane's two keys (n0 + g, n0 + 8 + g): K and V rows, all loads at once.
-        uint4 kw[2][VJ], vw[2][VJ];
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int key = n0 + 8 * h + g;
-            if (key < k_end) {
-                const u64 row = ((u64)table[key / block_size] * block_size + key % block_size) * kv_dim + kvh * HD + t * DL;
-#pragma unroll
-                for (int c = 0; c < VJ; c++) {
-                    kw[h][c] = ((const uint4*)(k_cache + row))[c];
-                    vw[h][c] = ((const uint4*)(v_cache + row))[c];
-                }
-            } else {
-#pragma unroll
-                for (int c = 0; c < VJ; c++) kw[h][c] = vw[h][c] = make_uint4(0, 0, 0, 0);
-            }
-        }
+    for (bool first = true; n0 < k_end; n0 += 16 * WARPS, first = false) {
+        if (!EARLY || !first) load_kv(n0, 0, k_end);
         // S^T: c0, c1 = keys n0 + g, heads 2t, 2t + 1; c2, c3 = key n0 + 8 + g.
         float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -445,13 +467,16 @@ extern "C" __global__ void __launch_bounds__(128) attention_decode_mma_hd128(ATT
 // inside the cluster (decode_merge_cluster), with no attention_combine
 // after. 8 warps, so that a split of 128 keys (the plan's for short
 // sequences, which fewer splits must cover) is one 16-key step a warp.
+// They wait inside attention_decode_mma (EARLY), after loading their first
+// keys before the query token's, and are programmatic launches inside decode
+// graphs too (model.rs, launch_attention).
 extern "C" __global__ void __launch_bounds__(256) attention_decode_cluster_hd64(ATTN_ARGS) {
-    wait_for_previous_kernels();
-    attention_decode_mma<64, 8, true>(ATTN_PASS);
+    // waits in attention_decode_mma, after loading its first earlier keys
+    attention_decode_mma<64, 8, true, true>(ATTN_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256) attention_decode_cluster_hd128(ATTN_ARGS) {
-    wait_for_previous_kernels();
-    attention_decode_mma<128, 8, true>(ATTN_PASS);
+    // waits in attention_decode_mma, after loading its first earlier keys
+    attention_decode_mma<128, 8, true, true>(ATTN_PASS);
 }
 // Prefill: up to 64 rows (query tokens x query heads of a KV head) per item.
 extern "C" __global__ void __launch_bounds__(256) attention_prefill_hd64(ATTN_ARGS) {

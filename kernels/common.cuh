@@ -77,14 +77,18 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, u32 a0, u32 a1, u32 a2,
 // its writes are visible (so a kernel's end implies the end of all before
 // it); then it lets the next kernel's blocks start, which wait in turn. A
 // plain launch makes both instructions no-ops. A test (compute::cuda::device)
-// checks that every kernel calls it first, but for one exception: the fused
+// checks that every kernel calls it first, but for two exceptions: the fused
 // one-token and the 16-token FP4 GEMVs (fp4.cu) copy their first weights
-// before they wait, and are programmatic launches inside decode graphs too
-// (Gpu::launch_early), so that the copies run under the tail of the kernel
-// ahead. That is sound because no kernel writes weights except the synthetic
-// models' random fill (fill_random_u32), which uploads follow on the stream
-// (a copy between two kernels ends the overlap), and the kernel ahead has
-// passed its own wait, so every kernel before it has ended. (Measured and
+// before they wait, and decode attention in clusters (attention.cu, EARLY)
+// loads its first keys of earlier steps; both are programmatic launches
+// inside decode graphs too (Gpu::launch_early, Gpu::launch_cluster_early),
+// so that those reads run under the tail of the kernel ahead. That is sound
+// because what they read before the wait was written before the kernel
+// ahead began: no kernel writes weights except the synthetic models' random
+// fill (fill_random_u32), which uploads follow on the stream (a copy between
+// two kernels ends the overlap); earlier steps' keys and the step's upload
+// precede it too; and the kernel ahead has passed its own wait, so every
+// kernel before it has ended. (Measured and
 // not kept: every kernel a programmatic launch inside decode graphs, 2%
 // slower at batch 1; GEMVs prefetching their first weights into L2 before
 // the wait, 13% slower; BENCHMARKS.md.)

@@ -84,7 +84,7 @@ pub struct Gpu {
     /// from compute capability 9.0, off with `SLUICE_PDL=0` or
     /// `set_dependent_launch(false)` (to measure what it gives).
     dependent_launch: AtomicBool,
-    /// Thread block clusters (`launch_cluster`): from compute capability
+    /// Thread block clusters (`launch_cluster_early`): from compute capability
     /// 9.0 on, off with `SLUICE_CLUSTERS=0` (to measure what they give).
     clusters: bool,
     /// True while `capture` records: launches inside decode graphs are plain
@@ -395,23 +395,26 @@ impl Gpu {
     }
 
     /// Whether the GPU runs thread block clusters of up to 16 blocks
-    /// (compute capability 9.0 on), for `launch_cluster`.
+    /// (compute capability 9.0 on), for `launch_cluster_early`.
     pub fn has_clusters(&self) -> bool {
         self.clusters
     }
 
-    /// `launch`, with the grid in clusters of `cluster` blocks (x, y, z;
-    /// each a divisor of the grid's; at most 16 blocks in all, where
+    /// `launch_early`, with the grid in clusters of `cluster` blocks (x, y,
+    /// z; each a divisor of the grid's; at most 16 blocks in all, where
     /// `has_clusters`): a cluster's blocks run at once and read each other's
-    /// shared memory.
-    pub fn launch_cluster(
+    /// shared memory. For the decode attention kernels, which load their
+    /// first keys before they wait (`attention.cu`, EARLY). Not spread by
+    /// `shared_for_at_most`: a 128-dim block's registers hold it to one an
+    /// SM already (154 registers a thread, 256 threads).
+    pub fn launch_cluster_early(
         &self,
         name: &str,
         config: LaunchConfig,
         cluster: (u32, u32, u32),
         args: &[&dyn KernelArg],
     ) -> Result<(), GpuError> {
-        self.launch_with(name, config, Some(cluster), false, args)
+        self.launch_with(name, config, Some(cluster), true, args)
     }
 
     fn launch_with(
@@ -794,10 +797,20 @@ mod tests {
         bodies
     }
 
+    /// A kernel body's lines that are not blank or comments, trimmed.
+    fn statements(body: &str) -> Vec<&str> {
+        body.lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.starts_with("//"))
+            .collect()
+    }
+
     /// Kernels are launched as programmatic dependent launches, so each must
     /// wait for the kernels ahead of it before anything else (common.cuh),
     /// but for the fused one-token and the 16-token FP4 GEMVs, which copy
-    /// only weights first and wait inside `fp4_gemv`.
+    /// only weights first and wait inside `fp4_gemv`, and the decode
+    /// attention kernels in clusters, which load earlier steps' keys first
+    /// and wait inside `attention_decode_mma`.
     #[test]
     fn every_kernel_waits_for_the_kernels_ahead_first() {
         let mut kernels = 0;
@@ -812,11 +825,7 @@ mod tests {
                     // One statement, fp4_gemv of a fused mode or of two
                     // 8-token tiles, whose prologue waits after the weights'
                     // copies.
-                    let call = body
-                        .lines()
-                        .map(str::trim)
-                        .filter(|l| !l.is_empty() && !l.starts_with("//"))
-                        .collect::<Vec<_>>();
+                    let call = statements(body);
                     assert!(
                         call.len() == 1
                             && ["fp4_gemv<false, ", "fp4_gemv<true, "].iter().any(|f| {
@@ -824,6 +833,17 @@ mod tests {
                                 args.starts_with("2, ")
                                     || (args.starts_with("1, FP4_") && !args.contains("FP4_PLAIN"))
                             }),
+                        "{name}: {body}"
+                    );
+                    waiting_inside += 1;
+                    continue;
+                }
+                if file.name == "attention.cu" && name.starts_with("attention_decode_cluster_") {
+                    let call = statements(body);
+                    assert!(
+                        call.len() == 1
+                            && call[0].starts_with("attention_decode_mma<")
+                            && call[0].contains(", 8, true, true>("),
                         "{name}: {body}"
                     );
                     waiting_inside += 1;
@@ -839,7 +859,11 @@ mod tests {
             }
         }
         assert!(kernels > 30, "{kernels} kernels");
-        assert_eq!(waiting_inside, 6 + 6, "the fused and 16-token FP4 kernels");
+        assert_eq!(
+            waiting_inside,
+            6 + 6 + 2,
+            "the fused and 16-token FP4 kernels, the cluster decode kernels"
+        );
         // fp4_gemv's prologue there: the first item's weights, the wait, x.
         let fp4 = KERNEL_FILES
             .iter()
@@ -852,6 +876,25 @@ mod tests {
             "issue(fp4_int<2>{});",
         ];
         let at: Vec<usize> = prologue.iter().map(|p| fp4.find(p).expect(p)).collect();
+        assert!(at.windows(2).all(|w| w[0] < w[1]), "{prologue:?} in order");
+        // attention_decode_mma's with EARLY: keys before the query's, the
+        // wait, then the rest of the first step's keys.
+        let attention = KERNEL_FILES
+            .iter()
+            .find(|f| f.name == "attention.cu")
+            .unwrap()
+            .source;
+        let prologue = [
+            "if (EARLY) {",
+            "load_kv(n0, 0, min(k_end, q_pos));",
+            "wait_for_previous_kernels();",
+            "load_kv(n0, q_pos, k_end);",
+        ];
+        let from = attention.find(prologue[0]).expect(prologue[0]);
+        let at: Vec<usize> = prologue
+            .iter()
+            .map(|p| from + attention[from..].find(p).expect(p))
+            .collect();
         assert!(at.windows(2).all(|w| w[0] < w[1]), "{prologue:?} in order");
         // The bodies are found whole: a body that writes before it waits is
         // told apart from one that waits first.

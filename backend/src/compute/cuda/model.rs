@@ -781,7 +781,8 @@ pub(crate) fn launch_attention(
             &part_ml,
         ];
         if in_clusters {
-            gpu.launch_cluster(&name, config, cluster, &args)
+            // These load their first keys before they wait (attention.cu).
+            gpu.launch_cluster_early(&name, config, cluster, &args)
         } else {
             gpu.launch(&name, config, &args)
         }
