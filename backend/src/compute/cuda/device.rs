@@ -805,6 +805,21 @@ mod tests {
             .collect()
     }
 
+    /// Asserts that kernel file `file` has `lines`, in this order, from the
+    /// first one's first place on.
+    fn assert_in_order(file: &str, lines: &[&str]) {
+        let source = KERNEL_FILES.iter().find(|f| f.name == file).unwrap().source;
+        let from = source.find(lines[0]).expect(lines[0]);
+        let at: Vec<usize> = lines
+            .iter()
+            .map(|l| from + source[from..].find(l).expect(l))
+            .collect();
+        assert!(
+            at.windows(2).all(|w| w[0] < w[1]),
+            "{file}: {lines:?} in order"
+        );
+    }
+
     /// Kernels are launched as programmatic dependent launches, so each must
     /// wait for the kernels ahead of it before anything else (common.cuh),
     /// but for the fused one-token and the 16-token FP4 GEMVs, which copy
@@ -865,37 +880,25 @@ mod tests {
             "the fused and 16-token FP4 kernels, the cluster decode kernels"
         );
         // fp4_gemv's prologue there: the first item's weights, the wait, x.
-        let fp4 = KERNEL_FILES
-            .iter()
-            .find(|f| f.name == "fp4.cu")
-            .unwrap()
-            .source;
-        let prologue = [
-            "issue(fp4_int<1>{});",
-            "wait_for_previous_kernels();",
-            "issue(fp4_int<2>{});",
-        ];
-        let at: Vec<usize> = prologue.iter().map(|p| fp4.find(p).expect(p)).collect();
-        assert!(at.windows(2).all(|w| w[0] < w[1]), "{prologue:?} in order");
+        assert_in_order(
+            "fp4.cu",
+            &[
+                "issue(fp4_int<1>{});",
+                "wait_for_previous_kernels();",
+                "issue(fp4_int<2>{});",
+            ],
+        );
         // attention_decode_mma's with EARLY: keys before the query's, the
         // wait, then the rest of the first step's keys.
-        let attention = KERNEL_FILES
-            .iter()
-            .find(|f| f.name == "attention.cu")
-            .unwrap()
-            .source;
-        let prologue = [
-            "if (EARLY) {",
-            "load_kv(n0, 0, min(k_end, q_pos));",
-            "wait_for_previous_kernels();",
-            "load_kv(n0, q_pos, k_end);",
-        ];
-        let from = attention.find(prologue[0]).expect(prologue[0]);
-        let at: Vec<usize> = prologue
-            .iter()
-            .map(|p| from + attention[from..].find(p).expect(p))
-            .collect();
-        assert!(at.windows(2).all(|w| w[0] < w[1]), "{prologue:?} in order");
+        assert_in_order(
+            "attention.cu",
+            &[
+                "if (EARLY) {",
+                "load_kv(n0, 0, min(k_end, q_pos));",
+                "wait_for_previous_kernels();",
+                "load_kv(n0, q_pos, k_end);",
+            ],
+        );
         // The bodies are found whole: a body that writes before it waits is
         // told apart from one that waits first.
         let late = "extern \"C\" __global__ void __launch_bounds__(128) k(int* p) {\n    p[0] = 1;\n    wait_for_previous_kernels();\n}";
