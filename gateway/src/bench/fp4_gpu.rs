@@ -1,6 +1,7 @@
 //! `sluice bench fp4 --gemv`: the Hopper FP4 kernels on one GPU. Decode
-//! regime: FP4 bytes read per second by the GEMV (1 to 16 tokens) and the
-//! tiled GEMM (64), on a Llama shape's matrices copied past the L2. Prefill
+//! regime: FP4 bytes read per second by the GEMV (1 to 16 tokens), the
+//! tiled GEMM (64) and the fused one-token kernels batch 1 runs, on a Llama
+//! shape's matrices copied past the L2. Prefill
 //! regime: TFLOP/s at `prefill_tokens` rows, each way the model can run it,
 //! next to cuBLAS on BF16 weights of the same shape.
 
@@ -29,23 +30,27 @@ pub fn run_fp4_gpu_bench(
         let mut line = serde_json::to_value(f)?;
         line["bench"] = json!("fp4-gemv");
         emit(&line);
+        let fused = if f.kernel == "fused" { "_fused" } else { "" };
         summary.insert(
-            format!("{}_{}_n{}", f.format, f.matrix, f.tokens),
+            format!("{}_{}{fused}_n{}", f.format, f.matrix, f.tokens),
             json!(f.gb_s),
         );
     }
-    // A decode step's four matrices per layer, bytes over time.
+    // A decode step's four matrices per layer, bytes over time: the plain
+    // kernels at each token count, and the fused ones batch 1 runs.
     for format in ["mxfp4", "nvfp4"] {
-        for tokens in FP4_SWEEP_TOKENS {
+        let plain = FP4_SWEEP_TOKENS.map(|tokens| (tokens, false));
+        for (tokens, fused) in plain.into_iter().chain([(1, true)]) {
             let of = || {
-                figures
-                    .iter()
-                    .filter(move |f| f.format == format && f.tokens == tokens)
+                figures.iter().filter(move |f| {
+                    f.format == format && f.tokens == tokens && (f.kernel == "fused") == fused
+                })
             };
             let bytes: f64 = of().map(|f| f.gb_s * f.us * 1e3).sum();
             let us: f64 = of().map(|f| f.us).sum();
+            let fused = if fused { "_fused" } else { "" };
             summary.insert(
-                format!("{format}_layer_gb_s_n{tokens}"),
+                format!("{format}_layer_gb_s{fused}_n{tokens}"),
                 json!(bytes / us / 1e3),
             );
         }

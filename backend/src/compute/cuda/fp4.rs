@@ -754,7 +754,9 @@ pub struct Fp4Figure {
 
 /// The FP4 GEMV on a Llama shape's four matrices, each quantized from
 /// made-up weights and copied until the copies fill `bytes_per_matrix`
-/// bytes (several times the 60 MB L2), then every copy in turn.
+/// bytes (several times the 60 MB L2), then every copy in turn: the plain
+/// GEMV or GEMM at each of [`FP4_SWEEP_TOKENS`], and at one token the fused
+/// kernel a batch-1 decode step runs on that matrix (kernel "fused").
 pub fn fp4_sweep(
     gpu: &Gpu,
     config: &LlamaConfig,
@@ -767,6 +769,7 @@ pub fn fp4_sweep(
     let tallest = shapes.iter().map(|s| s.1).max().unwrap_or(0);
     let x = gpu.upload(&vec![0x3f80u16; 64 * widest])?; // 1.0 in BF16
     let y = gpu.alloc::<f32>(64 * tallest)?;
+    let fused = FusedEpilogues::new(gpu, config, gpu.ptr(&x, 0), gpu.ptr(&y, 0))?;
     let mut out = Vec::new();
     for format in [Fp4Format::Mxfp4, Fp4Format::Nvfp4] {
         for &(name, rows, cols) in &shapes {
@@ -788,46 +791,129 @@ pub fn fp4_sweep(
                     .gemm_scratch(64, gpu.sm_count, SumOrder::Fastest)
                     .max(1),
             )?;
-            for tokens in FP4_SWEEP_TOKENS {
-                let launch_all = || -> Result<(), GpuError> {
-                    let (xp, yp) = (gpu.ptr(&x, 0), gpu.ptr(&y, 0));
-                    for w in &all {
-                        if tokens <= FP4_GEMV_MAX_TOKENS {
-                            w.gemv(gpu, xp, yp, tokens, false, SumOrder::Fastest)?;
-                        } else {
-                            let part = gpu.ptr(&part, 0);
-                            w.gemm(gpu, xp, yp, part, tokens, false, SumOrder::Fastest)?;
-                        }
-                    }
-                    Ok(())
-                };
+            let format_name = match format {
+                Fp4Format::Mxfp4 => "mxfp4",
+                Fp4Format::Nvfp4 => "nvfp4",
+            };
+            // Every copy in turn, from one graph and from the host.
+            let time_copies = |launch: &dyn Fn(&Fp4Weights) -> Result<(), GpuError>| {
+                let launch_all = || all.iter().try_for_each(launch);
                 let graph = gpu.capture(launch_all)?;
                 let copies = all.len() as f64;
                 let t = median_secs(gpu, &mut || Ok(graph.launch()?))? / copies;
                 let direct = median_secs(gpu, &mut || launch_all())? / copies;
-                out.push(Fp4Figure {
+                Ok::<_, GpuError>(Fp4Figure {
                     matrix: name,
                     rows,
                     cols,
-                    format: match format {
-                        Fp4Format::Mxfp4 => "mxfp4",
-                        Fp4Format::Nvfp4 => "nvfp4",
-                    },
-                    tokens,
-                    kernel: if tokens <= FP4_GEMV_MAX_TOKENS {
-                        "gemv"
-                    } else {
-                        "gemm"
-                    },
+                    format: format_name,
+                    tokens: 1,
+                    kernel: "",
                     us: t * 1e6,
                     gb_s: all[0].bytes() as f64 / t / 1e9,
                     direct_gb_s: all[0].bytes() as f64 / direct / 1e9,
                     bf16_roofline_us: (rows * cols * 2) as f64 / hbm * 1e6,
+                })
+            };
+            let (xp, yp) = (gpu.ptr(&x, 0), gpu.ptr(&y, 0));
+            for tokens in FP4_SWEEP_TOKENS {
+                let gemv = tokens <= FP4_GEMV_MAX_TOKENS;
+                let figure = time_copies(&|w| {
+                    if gemv {
+                        w.gemv(gpu, xp, yp, tokens, false, SumOrder::Fastest)
+                    } else {
+                        let part = gpu.ptr(&part, 0);
+                        w.gemm(gpu, xp, yp, part, tokens, false, SumOrder::Fastest)
+                    }
+                })?;
+                out.push(Fp4Figure {
+                    tokens,
+                    kernel: if gemv { "gemv" } else { "gemm" },
+                    ..figure
                 });
             }
+            let fused = time_copies(&|w| fused.launch(gpu, config, name, w))?;
+            out.push(Fp4Figure {
+                kernel: "fused",
+                ..fused
+            });
         }
     }
     Ok(out)
+}
+
+/// What the fused one-token kernels write besides their sums, for
+/// [`fp4_sweep`]'s timing of the kernels a batch-1 decode step runs (QKV
+/// with the norm and RoPE, gate/up with the norm and SwiGLU, O and down
+/// into the residual; `layers::fp4_gemv_norm_rope` and kin): one token at
+/// position 0 in KV slot 0, x all ones, the residual's squares as if it
+/// were ones too.
+struct FusedEpilogues {
+    x: DevPtr,
+    y: DevPtr,
+    sumsq_tiles: CudaSlice<f32>,
+    position_and_slot: CudaSlice<i32>,
+    q_out: CudaSlice<u16>,
+    k_cache: CudaSlice<u16>,
+    v_cache: CudaSlice<u16>,
+    act: CudaSlice<u16>,
+    y_bf16: CudaSlice<u16>,
+    g_next: CudaSlice<u16>,
+}
+
+impl FusedEpilogues {
+    fn new(gpu: &Gpu, c: &LlamaConfig, x: DevPtr, y: DevPtr) -> Result<FusedEpilogues, GpuError> {
+        Ok(FusedEpilogues {
+            x,
+            y,
+            sumsq_tiles: gpu.upload(&vec![16.0f32; c.hidden.div_ceil(16)])?,
+            position_and_slot: gpu.upload(&[0i32, 0])?,
+            q_out: gpu.alloc::<u16>(c.q_dim())?,
+            k_cache: gpu.alloc::<u16>(c.kv_dim())?,
+            v_cache: gpu.alloc::<u16>(c.kv_dim())?,
+            act: gpu.alloc::<u16>(c.ffn)?,
+            y_bf16: gpu.alloc::<u16>(c.hidden)?,
+            g_next: gpu.upload(&vec![0x3f80u16; c.hidden])?, // 1.0 in BF16
+        })
+    }
+
+    /// The fused kernel that takes `matrix` (a [`layer_shapes`] name) at
+    /// batch 1, on `w`.
+    fn launch(
+        &self,
+        gpu: &Gpu,
+        c: &LlamaConfig,
+        matrix: &str,
+        w: &Fp4Weights,
+    ) -> Result<(), GpuError> {
+        let sumsq = gpu.ptr(&self.sumsq_tiles, 0);
+        match matrix {
+            "qkv" => super::layers::fp4_gemv_norm_rope(
+                gpu,
+                c,
+                w,
+                self.x,
+                sumsq,
+                gpu.ptr(&self.position_and_slot, 0),
+                gpu.ptr(&self.position_and_slot, 1),
+                gpu.ptr(&self.q_out, 0),
+                gpu.ptr(&self.k_cache, 0),
+                gpu.ptr(&self.v_cache, 0),
+            ),
+            "gate_up" => {
+                super::layers::fp4_gemv_norm_swiglu(gpu, c, w, self.x, sumsq, gpu.ptr(&self.act, 0))
+            }
+            _ => super::layers::fp4_gemv_residual(
+                gpu,
+                w,
+                self.x,
+                self.y,
+                gpu.ptr(&self.y_bf16, 0),
+                gpu.ptr(&self.g_next, 0),
+                sumsq,
+            ),
+        }
+    }
 }
 
 /// A Llama layer's four matrices as (name, rows, cols).

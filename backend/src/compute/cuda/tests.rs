@@ -866,6 +866,40 @@ fn check_attention(
     );
 }
 
+/// `sluice bench fp4 --gemv`'s sweep times every kernel a decode step runs
+/// on each matrix of a layer: the plain GEMV and GEMM at each token count
+/// and, at one token, the fused kernel batch 1 runs, each with a figure.
+#[test]
+fn fp4_sweep_times_the_fused_one_token_kernels_too() {
+    use super::fp4::{FP4_GEMV_MAX_TOKENS, FP4_SWEEP_TOKENS, fp4_sweep};
+    let Some(gpu) = gpu() else { return };
+    let c = LlamaConfig::preset("llama-3.2-1b").unwrap();
+    // One copy of each matrix: the figures' worth is not the point here.
+    let figures = fp4_sweep(&gpu, &c, 1).unwrap();
+    for format in ["mxfp4", "nvfp4"] {
+        for matrix in ["qkv", "o", "gate_up", "down"] {
+            let of: Vec<_> = figures
+                .iter()
+                .filter(|f| f.format == format && f.matrix == matrix)
+                .map(|f| (f.tokens, f.kernel))
+                .collect();
+            let plain = |n| {
+                if n <= FP4_GEMV_MAX_TOKENS {
+                    "gemv"
+                } else {
+                    "gemm"
+                }
+            };
+            let mut want: Vec<_> = FP4_SWEEP_TOKENS.iter().map(|&n| (n, plain(n))).collect();
+            want.push((1, "fused"));
+            assert_eq!(of, want, "{format} {matrix}");
+        }
+    }
+    for f in &figures {
+        assert!(f.us > 0.0 && f.gb_s.is_finite() && f.gb_s > 0.0, "{f:?}");
+    }
+}
+
 /// The FP4 GEMV (MXFP4 and NVFP4) against the CPU reference's dequantized
 /// weights times BF16 x: within 1e-3 relative (f32 sums in another order).
 /// Rows not a multiple of the 16-row tile, chunks not a multiple of the 8
