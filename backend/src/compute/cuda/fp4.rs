@@ -852,6 +852,9 @@ struct FusedEpilogues {
     x: DevPtr,
     y: DevPtr,
     sumsq_tiles: CudaSlice<f32>,
+    /// Where O and down write the new residual's squares (apart, so that
+    /// the norms keep reading ones).
+    sumsq_written: CudaSlice<f32>,
     position_and_slot: CudaSlice<i32>,
     q_out: CudaSlice<u16>,
     k_cache: CudaSlice<u16>,
@@ -867,6 +870,7 @@ impl FusedEpilogues {
             x,
             y,
             sumsq_tiles: gpu.upload(&vec![16.0f32; c.hidden.div_ceil(16)])?,
+            sumsq_written: gpu.alloc::<f32>(c.hidden.div_ceil(16))?,
             position_and_slot: gpu.upload(&[0i32, 0])?,
             q_out: gpu.alloc::<u16>(c.q_dim())?,
             k_cache: gpu.alloc::<u16>(c.kv_dim())?,
@@ -910,7 +914,7 @@ impl FusedEpilogues {
                 self.y,
                 gpu.ptr(&self.y_bf16, 0),
                 gpu.ptr(&self.g_next, 0),
-                sumsq,
+                gpu.ptr(&self.sumsq_written, 0),
             ),
         }
     }
