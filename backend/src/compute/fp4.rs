@@ -105,6 +105,14 @@ pub enum Fp4Format {
 }
 
 impl Fp4Format {
+    /// Its name as `--weights` spells it ("mxfp4", "nvfp4").
+    pub fn name(self) -> &'static str {
+        match self {
+            Fp4Format::Mxfp4 => "mxfp4",
+            Fp4Format::Nvfp4 => "nvfp4",
+        }
+    }
+
     /// Elements per scale.
     pub fn block(self) -> usize {
         match self {

@@ -6,6 +6,7 @@
 //! next to cuBLAS on BF16 weights of the same shape.
 
 use serde_json::{Map, Value, json};
+use sluice_backend::compute::cuda::fp4::Fp4Figure;
 use sluice_backend::compute::cuda::{
     FP4_SWEEP_TOKENS, Fp4PrefillFigure, Gpu, fp4_prefill_sweep, fp4_sweep,
 };
@@ -30,27 +31,25 @@ pub fn run_fp4_gpu_bench(
         let mut line = serde_json::to_value(f)?;
         line["bench"] = json!("fp4-gemv");
         emit(&line);
-        let fused = if f.kernel == "fused" { "_fused" } else { "" };
         summary.insert(
-            format!("{}_{}{fused}_n{}", f.format, f.matrix, f.tokens),
+            format!("{}_{}{}_n{}", f.format, f.matrix, key_mark(f), f.tokens),
             json!(f.gb_s),
         );
     }
     // A decode step's four matrices per layer, bytes over time: the plain
     // kernels at each token count, and the fused ones batch 1 runs.
     for format in ["mxfp4", "nvfp4"] {
-        let plain = FP4_SWEEP_TOKENS.map(|tokens| (tokens, false));
-        for (tokens, fused) in plain.into_iter().chain([(1, true)]) {
+        let plain = FP4_SWEEP_TOKENS.map(|tokens| (tokens, ""));
+        for (tokens, mark) in plain.into_iter().chain([(1, "_fused")]) {
             let of = || {
                 figures.iter().filter(move |f| {
-                    f.format == format && f.tokens == tokens && (f.kernel == "fused") == fused
+                    f.format == format && f.tokens == tokens && key_mark(f) == mark
                 })
             };
             let bytes: f64 = of().map(|f| f.gb_s * f.us * 1e3).sum();
             let us: f64 = of().map(|f| f.us).sum();
-            let fused = if fused { "_fused" } else { "" };
             summary.insert(
-                format!("{format}_layer_gb_s{fused}_n{tokens}"),
+                format!("{format}_layer_gb_s{mark}_n{tokens}"),
                 json!(bytes / us / 1e3),
             );
         }
@@ -90,4 +89,10 @@ pub fn run_fp4_gpu_bench(
     summary.insert("shape".into(), json!(shape));
     summary.insert("summary".into(), json!(true));
     Ok(Value::Object(summary))
+}
+
+/// What a figure's summary keys carry after the matrix or "layer_gb_s":
+/// "_fused" for the fused one-token kernels, nothing for the plain ones.
+fn key_mark(f: &Fp4Figure) -> &'static str {
+    if f.kernel == "fused" { "_fused" } else { "" }
 }

@@ -791,52 +791,45 @@ pub fn fp4_sweep(
                     .gemm_scratch(64, gpu.sm_count, SumOrder::Fastest)
                     .max(1),
             )?;
-            let format_name = match format {
-                Fp4Format::Mxfp4 => "mxfp4",
-                Fp4Format::Nvfp4 => "nvfp4",
-            };
             // Every copy in turn, from one graph and from the host.
-            let time_copies = |launch: &dyn Fn(&Fp4Weights) -> Result<(), GpuError>| {
-                let launch_all = || all.iter().try_for_each(launch);
-                let graph = gpu.capture(launch_all)?;
-                let copies = all.len() as f64;
-                let t = median_secs(gpu, &mut || Ok(graph.launch()?))? / copies;
-                let direct = median_secs(gpu, &mut || launch_all())? / copies;
-                Ok::<_, GpuError>(Fp4Figure {
-                    matrix: name,
-                    rows,
-                    cols,
-                    format: format_name,
-                    tokens: 1,
-                    kernel: "",
-                    us: t * 1e6,
-                    gb_s: all[0].bytes() as f64 / t / 1e9,
-                    direct_gb_s: all[0].bytes() as f64 / direct / 1e9,
-                    bf16_roofline_us: (rows * cols * 2) as f64 / hbm * 1e6,
-                })
-            };
+            let time_copies =
+                |tokens: usize,
+                 kernel: &'static str,
+                 launch: &dyn Fn(&Fp4Weights) -> Result<(), GpuError>| {
+                    let launch_all = || all.iter().try_for_each(launch);
+                    let graph = gpu.capture(launch_all)?;
+                    let copies = all.len() as f64;
+                    let t = median_secs(gpu, &mut || Ok(graph.launch()?))? / copies;
+                    let direct = median_secs(gpu, &mut || launch_all())? / copies;
+                    Ok::<_, GpuError>(Fp4Figure {
+                        matrix: name,
+                        rows,
+                        cols,
+                        format: format.name(),
+                        tokens,
+                        kernel,
+                        us: t * 1e6,
+                        gb_s: all[0].bytes() as f64 / t / 1e9,
+                        direct_gb_s: all[0].bytes() as f64 / direct / 1e9,
+                        bf16_roofline_us: (rows * cols * 2) as f64 / hbm * 1e6,
+                    })
+                };
             let (xp, yp) = (gpu.ptr(&x, 0), gpu.ptr(&y, 0));
             for tokens in FP4_SWEEP_TOKENS {
-                let gemv = tokens <= FP4_GEMV_MAX_TOKENS;
-                let figure = time_copies(&|w| {
-                    if gemv {
+                out.push(if tokens <= FP4_GEMV_MAX_TOKENS {
+                    time_copies(tokens, "gemv", &|w| {
                         w.gemv(gpu, xp, yp, tokens, false, SumOrder::Fastest)
-                    } else {
-                        let part = gpu.ptr(&part, 0);
+                    })?
+                } else {
+                    let part = gpu.ptr(&part, 0);
+                    time_copies(tokens, "gemm", &|w| {
                         w.gemm(gpu, xp, yp, part, tokens, false, SumOrder::Fastest)
-                    }
-                })?;
-                out.push(Fp4Figure {
-                    tokens,
-                    kernel: if gemv { "gemv" } else { "gemm" },
-                    ..figure
+                    })?
                 });
             }
-            let fused = time_copies(&|w| fused.launch(gpu, config, name, w))?;
-            out.push(Fp4Figure {
-                kernel: "fused",
-                ..fused
-            });
+            out.push(time_copies(1, "fused", &|w| {
+                fused.launch(gpu, config, name, w)
+            })?);
         }
     }
     Ok(out)
@@ -988,10 +981,7 @@ pub fn fp4_prefill_sweep(
                 matrix: name,
                 rows,
                 cols,
-                format: match format {
-                    Fp4Format::Mxfp4 => "mxfp4",
-                    Fp4Format::Nvfp4 => "nvfp4",
-                },
+                format: format.name(),
                 tokens,
                 dequant_cublas_tflops: flop / dequant_cublas / 1e12,
                 gemm_tflops: flop / gemm / 1e12,
